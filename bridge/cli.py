@@ -1,0 +1,72 @@
+"""`kv-bridge`: run the bridge, run the demo, and the consumers' tools."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from bridge import __version__
+from bridge.config import ConfigError, Settings, add_run_arguments, load_settings
+from bridge.observe.logging import configure_logging
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    try:
+        return load_settings(args, os.environ)
+    except ConfigError as exc:
+        print(f"kv-bridge: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from bridge.service import run_bridge
+
+    settings = _settings(args)
+    configure_logging(settings.log_format, settings.log_level)
+    return run_bridge(settings)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import anyio
+
+    from bridge.embedded.demo import run_demo
+
+    settings = _settings(args)
+    configure_logging(settings.log_format if args.log_format else "console", settings.log_level if args.log_level else "warning")
+    return anyio.run(run_demo, settings, args.batches, args.interval, args.events_per_batch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kv-bridge", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kv-bridge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="Bridge vLLM's ZMQ KV events to NATS.")
+    add_run_arguments(run)
+    run.set_defaults(func=_cmd_run)
+
+    demo = sub.add_parser("demo", help="Whole flow on this machine: vLLM-format publisher → bridge → NATS → printer.")
+    add_run_arguments(demo)
+    demo.add_argument("--batches", type=int, default=200, help="Batches the demo publisher sends.")
+    demo.add_argument("--interval", type=float, default=0.05, help="Seconds between batches.")
+    demo.add_argument("--events-per-batch", type=int, default=6, help="Events per batch.")
+    demo.set_defaults(func=_cmd_demo)
+
+    for register in _tool_registrars():
+        register(sub)
+    return parser
+
+
+def _tool_registrars() -> list:  # type: ignore[type-arg]
+    """Consumers' subcommands (tail, watch, ...) register themselves here."""
+    from bridge.tools import commands
+
+    return commands.REGISTRARS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args))

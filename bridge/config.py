@@ -1,0 +1,283 @@
+"""One validated settings object from `kv-bridge run` flags and `KVB_*` variables.
+
+Every option is declared once in OPTIONS; the parser, the environment lookup and
+the README table all come from that list. A flag wins over its variable.
+Secrets (passwords, tokens) are read from files or the environment only, never
+from a flag, so they stay out of process listings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from bridge.normalize.kinds import parse_group_kind
+from bridge.sink.subjects import validate_prefix, validate_worker_id
+
+
+class ConfigError(ValueError):
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option}: {problem}")
+        self.option = option
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    kind: str  # str | int | float | bool | list | choice | secret
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "KVB_" + self.dest.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--zmq-endpoint", "list", ["tcp://127.0.0.1:5557"],
+           "vLLM PUB endpoint (repeatable; env: comma-separated). With --dp-ranks N, one endpoint stands for ranks 0..N-1 on consecutive ports."),
+    Option("--replay-endpoint", "list", [],
+           "vLLM replay ROUTER endpoint, one per --zmq-endpoint, same order (ports offset by rank like the PUB)."),
+    Option("--dp-ranks", "int", 1, "Data-parallel ranks behind each endpoint; rank r listens on port + r, as vLLM offsets them."),
+    Option("--topic", "str", "", "vLLM's kv-events topic (ZMQ subscription prefix)."),
+    Option("--worker-id", "str", "", "Worker id in subjects and payloads. Default: $POD_NAME, else the host name."),
+    Option("--nats-url", "list", [],
+           "NATS server URL (repeatable for a cluster). Empty: start a local nats-server (needs the `embedded` extra)."),
+    Option("--subject-prefix", "str", "kv", "First subject token(s): <prefix>.<worker>.<group>."),
+    Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
+    Option("--group-kind", "list", [], "Pin a group's kind: IDX=KIND (repeatable), e.g. 1=mamba."),
+    Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
+    Option("--max-frame-bytes", "int", 16 * 1024 * 1024, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped."),
+    Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
+    Option("--zmq-rcvhwm", "int", 100000, "ZMQ SUB receive high-water mark (messages)."),
+    Option("--replay-timeout", "float", 2.0, "Seconds to wait for a replay answer."),
+    Option("--http-host", "str", "0.0.0.0", "Address for /metrics, /healthz, /readyz."),
+    Option("--http-port", "int", 9400, "Port for /metrics, /healthz, /readyz (0: any free port)."),
+    Option("--log-format", "choice", "json", "Log line format.", ("json", "console")),
+    Option("--log-level", "choice", "info", "Log level.", ("debug", "info", "warning", "error")),
+    Option("--drain-timeout", "float", 10.0, "Seconds SIGTERM/SIGINT may take to flush and drain NATS."),
+    Option("--jetstream", "bool", False, "Publish to a JetStream stream with acks and de-duplication, and resume from it on start."),
+    Option("--stream-name", "str", "KV_EVENTS", "JetStream stream name (created or verified at start)."),
+    Option("--stream-max-age", "float", 3600.0, "Stream limit: seconds a message is kept."),
+    Option("--stream-max-msgs-per-subject", "int", 100000, "Stream limit: messages kept per subject."),
+    Option("--stream-duplicate-window", "float", 120.0, "Stream de-duplication window in seconds (Nats-Msg-Id)."),
+    Option("--stream-replicas", "int", 1, "Stream replicas."),
+    Option("--js-max-pending", "int", 256, "JetStream publishes in flight without an ack."),
+    Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
+    Option("--registry-bucket", "str", "kv_workers", "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
+    Option("--heartbeat-interval", "float", 5.0, "Seconds between worker registry heartbeats."),
+    Option("--nats-user", "str", "", "NATS user name (password from KVB_NATS_PASSWORD or --nats-password-file)."),
+    Option("--nats-password-file", "str", "", "File holding the NATS password."),
+    Option("--nats-password", "secret", "", "NATS password: environment only (KVB_NATS_PASSWORD)."),
+    Option("--nats-token-file", "str", "", "File holding a NATS token."),
+    Option("--nats-token", "secret", "", "NATS token: environment only (KVB_NATS_TOKEN)."),
+    Option("--nats-nkey-seed-file", "str", "", "File holding an NKey seed."),
+    Option("--nats-creds-file", "str", "", "NATS .creds file (JWT and seed)."),
+    Option("--nats-tls-ca", "str", "", "CA bundle to verify the NATS server."),
+    Option("--nats-tls-cert", "str", "", "Client certificate for mutual TLS."),
+    Option("--nats-tls-key", "str", "", "Client key for mutual TLS."),
+)
+
+
+class Settings(msgspec.Struct, frozen=True):
+    zmq_endpoint: list[str]
+    replay_endpoint: list[str]
+    dp_ranks: int
+    topic: str
+    worker_id: str
+    nats_url: list[str]
+    subject_prefix: str
+    format: str
+    group_kind: dict[int, str]
+    keep_placeholders: bool
+    max_frame_bytes: int
+    max_buffered_batches: int
+    zmq_rcvhwm: int
+    replay_timeout: float
+    http_host: str
+    http_port: int
+    log_format: str
+    log_level: str
+    drain_timeout: float
+    jetstream: bool
+    stream_name: str
+    stream_max_age: float
+    stream_max_msgs_per_subject: int
+    stream_duplicate_window: float
+    stream_replicas: int
+    js_max_pending: int
+    js_ack_timeout: float
+    registry_bucket: str
+    heartbeat_interval: float
+    nats_user: str
+    nats_password_file: str
+    nats_password: str
+    nats_token_file: str
+    nats_token: str
+    nats_nkey_seed_file: str
+    nats_creds_file: str
+    nats_tls_ca: str
+    nats_tls_cert: str
+    nats_tls_key: str
+
+    def __repr__(self) -> str:  # secrets must never reach a log line through repr
+        return f"Settings(worker_id={self.worker_id!r}, nats_url={self.nats_url!r}, ...)"
+
+    def redacted(self) -> dict[str, Any]:
+        """What is safe to log: secrets shown only as set or not."""
+        out = msgspec.structs.asdict(self)
+        for key in ("nats_password", "nats_token"):
+            out[key] = "<set>" if out[key] else ""
+        return out
+
+    def stream_endpoints(self) -> list[tuple[int, str, str | None]]:
+        """(dp_rank, PUB endpoint, replay endpoint or None) for every publisher."""
+        out: list[tuple[int, str, str | None]] = []
+        for i, endpoint in enumerate(self.zmq_endpoint):
+            replay = self.replay_endpoint[i] if i < len(self.replay_endpoint) else None
+            for rank in range(self.dp_ranks):
+                out.append((rank, offset_port(endpoint, rank), offset_port(replay, rank) if replay else None))
+        return out
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """vLLM's rule: tcp ports grow by the rank (0 stays 0), other transports get `_dp<rank>`."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    for opt in OPTIONS:
+        if opt.kind == "secret":
+            continue
+        env_note = f" [env {opt.env}]"
+        if opt.kind == "bool":
+            parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=opt.help + env_note)
+        elif opt.kind == "list":
+            parser.add_argument(opt.flag, dest=opt.dest, action="append", default=None, help=opt.help + env_note)
+        elif opt.kind == "choice":
+            parser.add_argument(opt.flag, dest=opt.dest, choices=opt.choices, default=None, help=opt.help + env_note)
+        else:
+            parser.add_argument(opt.flag, dest=opt.dest, default=None, help=opt.help + env_note)
+
+
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+
+
+def _convert(opt: Option, raw: Any) -> Any:
+    if opt.kind == "list":
+        items = raw if isinstance(raw, list) else str(raw).split(",")
+        return [item.strip() for item in items if item.strip()]
+    if opt.kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        word = str(raw).strip().lower()
+        if word not in _BOOL_WORDS:
+            raise ConfigError(opt.flag, f"expected true/false, got {raw!r}")
+        return _BOOL_WORDS[word]
+    if opt.kind == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(opt.flag, f"expected an integer, got {raw!r}") from None
+    if opt.kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(opt.flag, f"expected a number, got {raw!r}") from None
+    if opt.kind == "choice" and raw not in opt.choices:
+        raise ConfigError(opt.flag, f"expected one of {', '.join(opt.choices)}, got {raw!r}")
+    return str(raw)
+
+
+def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        raw = getattr(args, opt.dest, None)
+        if raw is None:
+            raw = environ.get(opt.env)
+        values[opt.dest] = opt.default if raw is None else _convert(opt, raw)
+    return _validated(values, environ)
+
+
+def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
+    def check(cond: bool, flag: str, problem: str) -> None:
+        if not cond:
+            raise ConfigError(flag, problem)
+
+    check(bool(values["zmq_endpoint"]), "--zmq-endpoint", "at least one endpoint is needed")
+    for endpoint in values["zmq_endpoint"] + values["replay_endpoint"]:
+        check(endpoint.startswith(("tcp://", "ipc://", "inproc://")), "--zmq-endpoint",
+              f"{endpoint!r} is not a tcp://, ipc:// or inproc:// endpoint")
+        if endpoint.startswith("tcp://"):
+            port = endpoint.rpartition(":")[2]
+            check(port.isdigit(), "--zmq-endpoint", f"{endpoint!r} has no numeric port")
+    check(len(values["replay_endpoint"]) <= len(values["zmq_endpoint"]), "--replay-endpoint",
+          "more replay endpoints than --zmq-endpoint")
+    check(1 <= values["dp_ranks"] <= 1024, "--dp-ranks", "must be 1..1024")
+    worker = values["worker_id"] or environ.get("POD_NAME", "") or socket.gethostname()
+    try:
+        values["worker_id"] = validate_worker_id(worker)
+    except ValueError as exc:
+        raise ConfigError("--worker-id", str(exc)) from None
+    try:
+        validate_prefix(values["subject_prefix"])
+    except ValueError as exc:
+        raise ConfigError("--subject-prefix", str(exc)) from None
+    kinds: dict[int, str] = {}
+    for spec in values["group_kind"]:
+        try:
+            idx, kind = parse_group_kind(spec)
+        except ValueError as exc:
+            raise ConfigError("--group-kind", str(exc)) from None
+        kinds[idx] = kind
+    values["group_kind"] = kinds
+    check(values["max_frame_bytes"] >= 1024, "--max-frame-bytes", "must be at least 1024")
+    check(values["max_buffered_batches"] >= 1, "--max-buffered-batches", "must be at least 1")
+    check(values["replay_timeout"] > 0, "--replay-timeout", "must be positive")
+    check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
+    check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")
+    check(values["js_max_pending"] >= 1, "--js-max-pending", "must be at least 1")
+    check(values["js_ack_timeout"] > 0, "--js-ack-timeout", "must be positive")
+    check(values["heartbeat_interval"] > 0, "--heartbeat-interval", "must be positive")
+    for flag in ("--nats-password-file", "--nats-token-file", "--nats-nkey-seed-file", "--nats-creds-file",
+                 "--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key"):
+        path = values[flag.lstrip("-").replace("-", "_")]
+        check(not path or os.path.isfile(path), flag, f"no such file: {path}")
+    check(bool(values["nats_tls_cert"]) == bool(values["nats_tls_key"]), "--nats-tls-cert",
+          "client certificate and key go together")
+    return msgspec.convert(values, Settings)
+
+
+def options_table() -> str:
+    """The README's configuration table, generated so it cannot drift."""
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for opt in OPTIONS:
+        flag = "—" if opt.kind == "secret" else f"`{opt.flag}`"
+        default = opt.default
+        if isinstance(default, list):
+            default = ", ".join(default)
+        if opt.kind == "bool":
+            default = "false" if not default else "true"
+        shown = f"`{default}`" if default not in ("", None) else ""
+        rows.append(f"| {flag} | `{opt.env}` | {shown} | {opt.help} |")
+    return "\n".join(rows)
+
+
+ParseHook = Callable[[Sequence[str]], argparse.Namespace]

@@ -1,0 +1,84 @@
+"""The NATS contract, v1: what every message on `<prefix>.>` is.
+
+Producers (the bridge) and consumers (`bridge.client`, `tail`, `watch`) share these
+structs, so the contract has one definition. Events keep vLLM's own shape
+(`BlockStored` / `BlockRemoved` tagged maps) so anyone who reads vLLM's events
+reads ours.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, Union
+
+import msgspec
+
+from bridge.decode.wire import BlockHash, BlockRemoved, BlockStored
+
+SCHEMA_VERSION: Final = 1
+
+# Headers, so routers can filter without decoding the payload.
+HDR_MSG_ID: Final = "Nats-Msg-Id"
+HDR_KIND: Final = "Kvb-Kind"
+HDR_FAMILY: Final = "Kvb-Family"
+HDR_SEQ: Final = "Kvb-Seq"
+HDR_EPOCH: Final = "Kvb-Epoch"
+HDR_FORMAT: Final = "Kvb-Format"
+HDR_RECORD: Final = "Kvb-Record"
+
+WORKER_TOKEN: Final = "worker"
+
+KindSource = Literal["event", "learned", "pinned", "legacy", "unknown"]
+RecordType = Literal["start", "stop", "cleared", "restart", "gap"]
+
+GroupEvent = Union[BlockStored, BlockRemoved]
+
+
+class GroupMessage(msgspec.Struct, gc=False):
+    """One vLLM batch's slice for one kv_cache_group, events in batch order."""
+
+    v: int
+    worker: str
+    dp_rank: int
+    epoch: int
+    seq: int
+    ts: float
+    group: int
+    kind: str
+    family: str
+    kind_source: KindSource
+    events: list[GroupEvent]
+    topic: str = ""
+    # >0 only when an AllBlocksCleared split the batch: the slice after the n-th clear.
+    part: int = 0
+    # When the bridge received the batch (its clock), for lag.
+    bridge_ts: float = 0.0
+
+
+class WorkerRecord(msgspec.Struct, gc=False, omit_defaults=True):
+    """A worker-level fact on `<prefix>.<worker>.worker`.
+
+    start/stop: the bridge began or ended watching this worker and rank.
+    cleared: vLLM's AllBlocksCleared at `seq`; every group of the worker is empty.
+    restart: seq went back; a new vLLM process (new `epoch`); forget all residency.
+    gap: batches `gap_from..gap_to` (inclusive) are lost; the worker's view is stale.
+    """
+
+    v: int
+    worker: str
+    dp_rank: int
+    epoch: int
+    type: RecordType
+    ts: float
+    seq: int | None = None
+    gap_from: int | None = None
+    gap_to: int | None = None
+    reason: str | None = None
+    topic: str = ""
+    bridge_version: str = ""
+
+
+def hash_hex(value: BlockHash, width: int = 8) -> str:
+    """A short printable form of a block hash, bytes or int, for humans."""
+    if isinstance(value, bytes):
+        return value.hex()[:width]
+    return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"[:width]

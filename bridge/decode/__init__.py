@@ -1,0 +1,1 @@
+"""vLLM's msgpack wire format, decoded tolerantly."""

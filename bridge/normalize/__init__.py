@@ -1,0 +1,1 @@
+"""Kinds, families and the reductions that make events mean one thing."""

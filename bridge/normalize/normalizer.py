@@ -1,0 +1,193 @@
+"""One decoded vLLM batch → per-group slices with kind and family, plus worker records.
+
+Pure logic, no I/O: the stream task feeds it batches in seq order and hands what
+comes out to the sink.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from bridge.contract import SCHEMA_VERSION, GroupEvent, GroupMessage, KindSource, WorkerRecord
+from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from bridge.normalize.kinds import (
+    LEGACY_KIND,
+    STATE,
+    UNKNOWN_KIND,
+    WINDOW,
+    clean_kind,
+    family_of,
+)
+
+
+@dataclass(slots=True)
+class StreamIdentity:
+    worker: str
+    dp_rank: int
+    topic: str
+    epoch: int
+
+
+@dataclass(slots=True)
+class NormalizeStats:
+    """What normalization did to one batch, for the metrics."""
+
+    dropped: Counter[str] = field(default_factory=Counter)
+    transformed: Counter[str] = field(default_factory=Counter)
+
+
+class KindBook:
+    """Kinds per group for one vLLM process: pinned by the operator, else
+    learned from the first store that names one. Forgotten on restart."""
+
+    def __init__(self, pinned: dict[int, str]) -> None:
+        self._pinned = dict(pinned)
+        self._learned: dict[int, str] = {}
+
+    def learn(self, group: int, kind: str) -> None:
+        if group not in self._pinned and group not in self._learned:
+            self._learned[group] = kind
+
+    def resolve(self, group: int, legacy: bool) -> tuple[str, KindSource]:
+        pinned = self._pinned.get(group)
+        if pinned is not None:
+            return pinned, "pinned"
+        learned = self._learned.get(group)
+        if learned is not None:
+            return learned, "learned"
+        if legacy:
+            return LEGACY_KIND, "legacy"
+        return UNKNOWN_KIND, "unknown"
+
+    def forget(self) -> None:
+        self._learned.clear()
+
+    def known(self) -> dict[int, str]:
+        return {**self._learned, **self._pinned}
+
+
+class _Slice:
+    __slots__ = ("events", "legacy", "explicit")
+
+    def __init__(self) -> None:
+        self.events: list[GroupEvent] = []
+        # Only legacy publishers send events with neither group nor kind.
+        self.legacy = True
+        self.explicit: str | None = None
+
+
+class Normalizer:
+    def __init__(self, kinds: KindBook, keep_placeholders: bool) -> None:
+        self.kinds = kinds
+        self._keep_placeholders = keep_placeholders
+
+    def normalize(
+        self,
+        ident: StreamIdentity,
+        seq: int,
+        ts: float,
+        events: list[Event],
+        bridge_ts: float,
+        stats: NormalizeStats,
+    ) -> list[GroupMessage | WorkerRecord]:
+        out: list[GroupMessage | WorkerRecord] = []
+        slices: dict[int, _Slice] = {}
+        part = 0
+        for event in events:
+            if type(event) is AllBlocksCleared:
+                self._flush(ident, seq, ts, bridge_ts, part, slices, stats, out)
+                slices = {}
+                part += 1
+                out.append(
+                    WorkerRecord(
+                        v=SCHEMA_VERSION, worker=ident.worker, dp_rank=ident.dp_rank,
+                        epoch=ident.epoch, type="cleared", ts=ts, seq=seq, topic=ident.topic,
+                    )
+                )
+                continue
+            group = event.group_idx  # type: ignore[union-attr]
+            key = 0 if group is None else group
+            piece = slices.get(key)
+            if piece is None:
+                piece = slices[key] = _Slice()
+            if group is not None:
+                piece.legacy = False
+            if type(event) is BlockStored and event.kv_cache_spec_kind is not None:
+                piece.legacy = False
+                if piece.explicit is None:
+                    piece.explicit = clean_kind(event.kv_cache_spec_kind)
+                    self.kinds.learn(key, piece.explicit)
+            piece.events.append(event)  # type: ignore[arg-type]
+        self._flush(ident, seq, ts, bridge_ts, part, slices, stats, out)
+        return out
+
+    def _flush(
+        self,
+        ident: StreamIdentity,
+        seq: int,
+        ts: float,
+        bridge_ts: float,
+        part: int,
+        slices: dict[int, _Slice],
+        stats: NormalizeStats,
+        out: list[GroupMessage | WorkerRecord],
+    ) -> None:
+        for group, piece in slices.items():
+            kind, source = self.kinds.resolve(group, piece.legacy)
+            if source == "learned" and piece.explicit == kind:
+                source = "event"
+            family = family_of(kind)
+            events = piece.events
+            if family == STATE:
+                events = self._reduce_state(events, stats)
+            elif family == WINDOW:
+                events = self._handle_placeholders(events, stats)
+            if source == "unknown":
+                stats.transformed["unknown_kind"] += len(events)
+            if not events:
+                continue
+            out.append(
+                GroupMessage(
+                    v=SCHEMA_VERSION, worker=ident.worker, dp_rank=ident.dp_rank,
+                    epoch=ident.epoch, seq=seq, ts=ts, group=group, kind=kind, family=family,
+                    kind_source=source, events=events, topic=ident.topic, part=part,
+                    bridge_ts=bridge_ts,
+                )
+            )
+
+    @staticmethod
+    def _reduce_state(events: list[GroupEvent], stats: NormalizeStats) -> list[GroupEvent]:
+        """A recurrent checkpoint is valid only at its one hash: a multi-hash
+        store (an older or unpatched publisher) becomes its last hash, with the
+        hash before it as parent, whatever else it said."""
+        result: list[GroupEvent] = []
+        for event in events:
+            if type(event) is BlockStored and len(event.block_hashes) > 1:
+                hashes = event.block_hashes
+                result.append(
+                    BlockStored(
+                        block_hashes=[hashes[-1]], parent_block_hash=hashes[-2], token_ids=[],
+                        block_size=event.block_size, lora_id=event.lora_id, medium=event.medium,
+                        lora_name=event.lora_name, group_idx=event.group_idx,
+                        kv_cache_spec_kind=event.kv_cache_spec_kind, locality=event.locality,
+                        ownership=event.ownership, session_id=event.session_id,
+                    )
+                )
+                stats.transformed["state_reduced"] += 1
+            else:
+                result.append(event)
+        return result
+
+    def _handle_placeholders(self, events: list[GroupEvent], stats: NormalizeStats) -> list[GroupEvent]:
+        """Window placeholders (block_size=0) name no position: drop, or flag."""
+        result: list[GroupEvent] = []
+        for event in events:
+            if type(event) is BlockStored and event.block_size == 0:
+                if not self._keep_placeholders:
+                    stats.dropped["window_placeholder"] += 1
+                    continue
+                event.placeholder = True
+                stats.transformed["placeholder_flagged"] += 1
+            result.append(event)
+        return result

@@ -1,0 +1,25 @@
+"""What /healthz and /readyz answer."""
+
+from __future__ import annotations
+
+import time
+
+
+class Health:
+    """Liveness is the bridge's own loop ticking; readiness is every ZMQ
+    subscription up and NATS connected."""
+
+    def __init__(self, stale_after_s: float = 10.0) -> None:
+        self._stale_after_s = stale_after_s
+        self._last_tick = time.monotonic()
+        self.zmq_subscribed = False
+        self.nats_connected = False
+
+    def tick(self) -> None:
+        self._last_tick = time.monotonic()
+
+    def live(self) -> bool:
+        return time.monotonic() - self._last_tick < self._stale_after_s
+
+    def ready(self) -> bool:
+        return self.live() and self.zmq_subscribed and self.nats_connected

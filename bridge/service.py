@@ -1,0 +1,122 @@
+"""The bridge process: pipelines, sink, HTTP and signals in one anyio task group."""
+
+from __future__ import annotations
+
+import signal
+from contextlib import ExitStack
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+import zmq
+
+from bridge import __version__
+from bridge.config import Settings
+from bridge.embedded.nats_server import NatsServerProcess
+from bridge.observe.health import Health
+from bridge.observe.http import serve_http
+from bridge.observe.metrics import Metrics
+from bridge.pipeline import StreamPipeline, StreamPlan
+from bridge.sink.encode import MessageEncoder
+from bridge.sink.publisher import NatsSink
+from bridge.sink.queue import BatchQueue, LostRange, OutBatch
+
+log = structlog.get_logger("bridge.service")
+
+
+class Bridge:
+    """Everything one `kv-bridge run` holds. Tests drive it in-process with
+    `run(stop=...)`; the CLI drives it with signals."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.health = Health()
+        self.metrics.info.labels(__version__, settings.worker_id).set(1)
+        self.http_port: int | None = None
+        self._pipelines: list[StreamPipeline] = []
+        self.queue = BatchQueue(settings.max_buffered_batches, self._gap_batch)
+        self.sink = NatsSink(settings, self.queue, self.metrics, self.health)
+        self._subscribed = 0
+        self.ready = anyio.Event()
+
+    def _gap_batch(self, lost: LostRange) -> OutBatch:
+        return self._pipelines[lost.stream].gap_batch(lost)
+
+    def _on_subscribed(self) -> None:
+        self._subscribed += 1
+        if self._subscribed == len(self._pipelines):
+            self.health.zmq_subscribed = True
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.health.tick()
+            if self.health.ready() and not self.ready.is_set():
+                self.ready.set()
+            await anyio.sleep(0.5 if not self.ready.is_set() else 2.0)
+
+    async def run(self, stop: anyio.Event | None = None, handle_signals: bool = False) -> int:
+        s = self.settings
+        log.info("bridge_starting", version=__version__, settings=s.redacted())
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        encoder = MessageEncoder(s.format)
+        for index, (rank, endpoint, replay) in enumerate(s.stream_endpoints()):
+            self._pipelines.append(
+                StreamPipeline(
+                    StreamPlan(index, rank, endpoint, replay), worker=s.worker_id, topic=s.topic,
+                    prefix=s.subject_prefix, pinned_kinds=s.group_kind, keep_placeholders=s.keep_placeholders,
+                    max_frame_bytes=s.max_frame_bytes, rcvhwm=s.zmq_rcvhwm, replay_timeout=s.replay_timeout,
+                    ctx=ctx, queue=self.queue, encoder=encoder, metrics=self.metrics,
+                )
+            )
+        stop = stop or anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                self.http_port = await tg.start(serve_http, s.http_host, s.http_port, self.metrics, self.health)
+                tg.start_soon(self._heartbeat)
+                if handle_signals:
+                    tg.start_soon(_stop_on_signal, stop)
+                async with anyio.create_task_group() as readers:
+                    for pipeline in self._pipelines:
+                        readers.start_soon(pipeline.run, self._on_subscribed)
+                    tg.start_soon(self._connect_and_publish)
+                    await stop.wait()
+                    log.info("bridge_stopping", queued=len(self.queue))
+                    readers.cancel_scope.cancel()
+                for pipeline in self._pipelines:
+                    self.queue.put(pipeline.record("stop", seq=pipeline.tracker.last_emitted))
+                with anyio.move_on_after(s.drain_timeout) as scope:
+                    await self.sink.flush()
+                if scope.cancelled_caught:
+                    log.warning("drain_timeout", left=len(self.queue))
+                with anyio.move_on_after(max(1.0, s.drain_timeout / 2)):
+                    await self.sink.close()
+                tg.cancel_scope.cancel()
+        finally:
+            ctx.destroy(linger=0)
+        log.info("bridge_stopped", published_batches=self.sink.published_batches, left=len(self.queue))
+        return 0
+
+    async def _connect_and_publish(self) -> None:
+        await self.sink.connect()
+        await self.sink.run()
+
+
+async def _stop_on_signal(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal", signal=signal.Signals(signum).name)
+            stop.set()
+            return
+
+
+def run_bridge(settings: Settings) -> int:
+    """Entry for `kv-bridge run`: an embedded nats-server when no URL is given."""
+    with ExitStack() as stack:
+        if not settings.nats_url:
+            server = stack.enter_context(NatsServerProcess(jetstream=True))
+            log.info("embedded_nats_listening", url=server.url,
+                     hint=f"watch with: kv-bridge tail --nats-url {server.url}")
+            settings = msgspec.structs.replace(settings, nats_url=[server.url])
+        return anyio.run(lambda: Bridge(settings).run(handle_signals=True))

@@ -1,0 +1,1 @@
+"""NATS: subjects, encoding, publishing."""

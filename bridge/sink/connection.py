@@ -1,0 +1,64 @@
+"""NATS connection options from settings: servers, auth, TLS, reconnect policy."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from bridge.config import Settings
+
+
+def _read_secret(path: str) -> str:
+    return Path(path).read_text(encoding="utf-8").strip()
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    if not (settings.nats_tls_ca or settings.nats_tls_cert):
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.nats_tls_ca or None)
+    if settings.nats_tls_cert:
+        ctx.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
+    return ctx
+
+
+def connect_options(
+    settings: Settings,
+    name: str,
+    on_disconnect: Callable[[], Awaitable[None]],
+    on_reconnect: Callable[[], Awaitable[None]],
+    on_error: Callable[[Exception], Awaitable[None]],
+) -> dict[str, Any]:
+    """Keyword arguments for nats-py's connect. Reconnects forever: a sidecar
+    that gives up on NATS is worse than one that waits for it."""
+    opts: dict[str, Any] = {
+        "servers": settings.nats_url,
+        "name": name,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 1,
+        "connect_timeout": 2,
+        "ping_interval": 10,
+        "max_outstanding_pings": 3,
+        # Our own queue is the buffer with a policy; nats-py's stays modest.
+        "pending_size": 8 * 1024 * 1024,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+        "error_cb": on_error,
+    }
+    password = settings.nats_password or (_read_secret(settings.nats_password_file) if settings.nats_password_file else "")
+    token = settings.nats_token or (_read_secret(settings.nats_token_file) if settings.nats_token_file else "")
+    if settings.nats_user:
+        opts["user"] = settings.nats_user
+        opts["password"] = password
+    if token:
+        opts["token"] = token
+    if settings.nats_nkey_seed_file:
+        opts["nkeys_seed"] = settings.nats_nkey_seed_file
+    if settings.nats_creds_file:
+        opts["user_credentials"] = settings.nats_creds_file
+    tls = tls_context(settings)
+    if tls is not None:
+        opts["tls"] = tls
+    return opts

@@ -1,0 +1,87 @@
+"""The bounded buffer between ZMQ and NATS.
+
+Policy when full: the oldest batch goes, its (stream, seq) joins a lost range,
+and before that stream's next batch a `gap` record names the range. Memory
+stays bounded however long NATS is away; every loss is announced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import msgspec
+
+from bridge.sink.encode import Outgoing
+
+
+class OutBatch(msgspec.Struct, gc=False):
+    stream: int  # index of the publisher stream (endpoint × rank)
+    epoch: int
+    seq: int  # -1 for records not tied to a vLLM batch
+    vllm_ts: float
+    messages: list[Outgoing]
+
+
+class LostRange(msgspec.Struct, gc=False):
+    stream: int
+    epoch: int
+    first: int
+    last: int
+
+
+GapMaker = Callable[[LostRange], OutBatch]
+
+
+class BatchQueue:
+    def __init__(self, max_batches: int, make_gap: GapMaker) -> None:
+        self._max = max_batches
+        self._items: deque[OutBatch] = deque()
+        self._lost: dict[tuple[int, int], LostRange] = {}
+        self._make_gap = make_gap
+        self._event = anyio.Event()
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items) + len(self._lost)
+
+    def put(self, batch: OutBatch) -> None:
+        """Never blocks: the ZMQ side must keep reading or vLLM's PUB drops silently."""
+        if len(self._items) >= self._max:
+            self._drop_oldest()
+        self._items.append(batch)
+        self._event.set()
+
+    def _drop_oldest(self) -> None:
+        # Records (seq < 0) are small and carry losses or restarts: they stay.
+        index = next((i for i, item in enumerate(self._items) if item.seq >= 0), None)
+        if index is None:
+            return
+        old = self._items[index]
+        del self._items[index]
+        self.dropped += 1
+        key = (old.stream, old.epoch)
+        lost = self._lost.get(key)
+        if lost is None:
+            self._lost[key] = LostRange(old.stream, old.epoch, old.seq, old.seq)
+        else:
+            lost.first = min(lost.first, old.seq)
+            lost.last = max(lost.last, old.seq)
+
+    def peek(self) -> OutBatch | None:
+        """The next batch to publish. Gap records for dropped ranges come first:
+        everything still queued is newer than what was dropped."""
+        if self._lost:
+            key = next(iter(self._lost))
+            gap = self._make_gap(self._lost.pop(key))
+            self._items.appendleft(gap)
+        return self._items[0] if self._items else None
+
+    def pop(self) -> None:
+        self._items.popleft()
+
+    async def wait(self) -> None:
+        while not self._items and not self._lost:
+            self._event = anyio.Event()
+            await self._event.wait()

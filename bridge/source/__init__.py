@@ -1,0 +1,1 @@
+"""vLLM's ZMQ side: the PUB subscription, frame checks, seq tracking, replay."""

@@ -1,0 +1,54 @@
+"""Checks one multipart message from vLLM's PUB or replay socket before decoding."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+END_SEQ: Final = -1
+
+
+class Frame(msgspec.Struct, gc=False):
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+class FrameError(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def parse_pub(parts: list[bytes], max_bytes: int) -> Frame:
+    """`[topic, seq(8 bytes, big-endian), payload]` from the PUB socket."""
+    if len(parts) != 3:
+        raise FrameError("frame_count", f"{len(parts)} frames")
+    return _checked(parts[0], parts[1], parts[2], max_bytes)
+
+
+def parse_replay(parts: list[bytes], max_bytes: int) -> Frame:
+    """A replay answer on a DEALER socket: `[b"", topic, seq, payload]`, or
+    `[b"", seq, payload]` from vLLM versions that drop the topic. The end
+    marker comes back with seq == END_SEQ."""
+    if len(parts) == 4 and parts[0] == b"":
+        topic, seq, payload = parts[1], parts[2], parts[3]
+    elif len(parts) == 3 and parts[0] == b"":
+        topic, seq, payload = b"", parts[1], parts[2]
+    else:
+        raise FrameError("frame_count", f"{len(parts)} replay frames")
+    if seq == b"\xff" * 8:
+        return Frame(topic, END_SEQ, b"")
+    return _checked(topic, seq, payload, max_bytes)
+
+
+def _checked(topic: bytes, seq: bytes, payload: bytes, max_bytes: int) -> Frame:
+    if len(seq) != 8:
+        raise FrameError("bad_seq", f"seq frame of {len(seq)} bytes")
+    if len(payload) > max_bytes:
+        raise FrameError("too_large", f"{len(payload)} bytes > {max_bytes}")
+    if len(topic) > 1024:
+        raise FrameError("bad_topic", f"topic of {len(topic)} bytes")
+    return Frame(topic, int.from_bytes(seq, "big"), payload)

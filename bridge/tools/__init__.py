@@ -1,0 +1,1 @@
+"""Consumers' command-line tools; they read only the NATS contract."""

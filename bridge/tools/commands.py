@@ -1,0 +1,10 @@
+"""The consumers' subcommands of `kv-bridge`; each module adds its own parser."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+REGISTRARS: list[Registrar] = []
