@@ -39,15 +39,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kv-bridge", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kv-bridge", description=__doc__, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"kv-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="Bridge vLLM's ZMQ KV events to NATS.")
+    run = sub.add_parser("run", help="Bridge vLLM's ZMQ KV events to NATS.", allow_abbrev=False)
     add_run_arguments(run)
     run.set_defaults(func=_cmd_run)
 
-    demo = sub.add_parser("demo", help="Whole flow on this machine: vLLM-format publisher → bridge → NATS → printer.")
+    demo = sub.add_parser("demo", allow_abbrev=False, help="Whole flow on this machine: vLLM-format publisher → bridge → NATS → printer.")
     add_run_arguments(demo)
     demo.add_argument("--batches", type=int, default=200, help="Batches the demo publisher sends.")
     demo.add_argument("--interval", type=float, default=0.05, help="Seconds between batches.")

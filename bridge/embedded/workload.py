@@ -9,7 +9,7 @@ import random
 import time
 from typing import Any
 
-from bridge.embedded.wire_writer import cleared, encode_batch, removed, stored
+from bridge.embedded.wire_writer import WireEvent, cleared, encode_batch, removed, stored
 
 ATTN, WINDOW, MAMBA = 0, 1, 2
 BLOCK_SIZE = 16
@@ -31,7 +31,7 @@ class HybridWorkload:
         self._counter += 1
         return int.from_bytes(digest[-8:], "big") if self._int_hashes else digest
 
-    def request_events(self, blocks: int) -> list[dict[str, Any]]:
+    def request_events(self, blocks: int) -> list[WireEvent]:
         """One request's stores: attention gets every hash, the window group its
         recent blocks, the mamba group a checkpoint at the last hash."""
         hashes: list[Any] = []
@@ -54,7 +54,7 @@ class HybridWorkload:
                    group_idx=MAMBA, kind="mamba"),
         ]
 
-    def eviction_events(self) -> list[dict[str, Any]]:
+    def eviction_events(self) -> list[WireEvent]:
         if not self._resident:
             return []
         hashes = self._resident.pop(0)
@@ -63,7 +63,7 @@ class HybridWorkload:
             removed([hashes[-1]], group_idx=MAMBA),
         ]
 
-    def offload_events(self) -> list[dict[str, Any]]:
+    def offload_events(self) -> list[WireEvent]:
         """The CPU tier: attention chunks in full, window and mamba as vLLM's placeholders."""
         if not self._resident:
             return []
@@ -79,7 +79,7 @@ class HybridWorkload:
     def batch(self, events_target: int, clear: bool = False) -> bytes:
         """A batch of about `events_target` events: whole requests, evictions
         and offloads, so every group shows up."""
-        events: list[dict[str, Any]] = []
+        events: list[WireEvent] = []
         while len(events) < events_target:
             roll = self._rng.random()
             if roll < 0.6 or not self._resident:

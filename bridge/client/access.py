@@ -1,0 +1,103 @@
+"""How consumers reach NATS: the bridge's own flags and `KVB_*` variables for
+servers, auth and TLS, so one set of credentials and one habit serve both.
+
+Secrets come from files or the environment only (as for `kv-bridge run`), and
+the tools read only the access variables, so an unrelated `KVB_*` setting meant
+for a bridge on the same host cannot break them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter
+from collections.abc import Mapping
+from typing import Final
+
+import anyio
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from bridge.config import OPTIONS, ConfigError, Option, Settings, load_settings
+from bridge.sink.connection import connect_options
+
+DEFAULT_URL: Final = "nats://127.0.0.1:4222"
+
+_ACCESS_DESTS: Final = frozenset({
+    "nats_url", "subject_prefix", "nats_user", "nats_password_file", "nats_password", "nats_token_file",
+    "nats_token", "nats_nkey_seed_file", "nats_creds_file", "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
+})
+_ACCESS_OPTIONS: Final[tuple[Option, ...]] = tuple(o for o in OPTIONS if o.dest in _ACCESS_DESTS)
+
+
+def add_access_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--nats-url`, `--subject-prefix` and the auth/TLS file flags, as `run` has them."""
+    group = parser.add_argument_group("NATS access (same flags and KVB_* variables as `kv-bridge run`)")
+    for opt in _ACCESS_OPTIONS:
+        if opt.kind == "secret":
+            continue
+        help_text = f"{opt.help} [env {opt.env}]"
+        if opt.dest == "nats_url":
+            help_text = f"NATS server URL (repeatable). Default {DEFAULT_URL}. [env {opt.env}]"
+        action = "append" if opt.kind == "list" else "store"
+        group.add_argument(opt.flag, dest=opt.dest, action=action, default=None, help=help_text)
+
+
+def access_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """A full `Settings` (what `connect_options` takes) from the access flags and
+    variables only; everything else keeps its default. Raises ConfigError."""
+    env = os.environ if environ is None else environ
+    wanted = {o.env for o in _ACCESS_OPTIONS}
+    values = {o.dest: getattr(args, o.dest, None) for o in _ACCESS_OPTIONS}
+    settings = load_settings(argparse.Namespace(**values), {k: v for k, v in env.items() if k in wanted})
+    if not settings.nats_url:
+        settings = msgspec.structs.replace(settings, nats_url=[DEFAULT_URL])
+    return settings
+
+
+class BusConnection:
+    """One NATS connection plus what a consumer must know about its health:
+    a disconnect means core subscribers missed whatever was published meanwhile,
+    and a slow-consumer drop means nats-py threw messages away."""
+
+    def __init__(self) -> None:
+        self.nc: NatsClient | None = None
+        self.disconnects = 0
+        self.slow_consumer_drops: Counter[int] = Counter()
+        self._closing = False
+
+    async def _on_disconnect(self) -> None:
+        if not self._closing:
+            self.disconnects += 1
+
+    async def _on_reconnect(self) -> None:
+        return None
+
+    async def _on_error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self.slow_consumer_drops[exc.sid] += 1
+
+    async def open(self, settings: Settings, name: str, timeout: float = 5.0) -> NatsClient:
+        """Connects or raises ConnectionError within `timeout`: nats-py alone
+        would retry an unreachable server forever, which a CLI must not."""
+        opts = connect_options(settings, name, self._on_disconnect, self._on_reconnect, self._on_error)
+        try:
+            with anyio.fail_after(timeout):
+                self.nc = await nats.connect(**opts)
+        except TimeoutError:
+            raise ConnectionError(f"no NATS server answered at {', '.join(settings.nats_url)} within {timeout:g}s") from None
+        return self.nc
+
+    async def close(self) -> None:
+        if self.nc is None or self.nc.is_closed:
+            return
+        self._closing = True
+        try:
+            await self.nc.drain()
+        except Exception:  # closing is best effort: the tool is ending anyway
+            await self.nc.close()
+
+
+__all__ = ["DEFAULT_URL", "BusConnection", "ConfigError", "access_settings", "add_access_arguments"]

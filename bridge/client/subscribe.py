@@ -1,0 +1,194 @@
+"""Subscribing to the contract: core NATS (live) or a JetStream replay.
+
+Core NATS delivers only what is published while connected, so a disconnect or
+a slow-consumer drop loses messages without a trace on the bus; the subscriber
+turns both into an `Interruption` item, in order, before the next message, and a
+residency index treats it like a gap for every worker. A JetStream replay uses
+an ordered consumer (ephemeral, flow-controlled, restarted by nats-py at the
+last stream sequence on any hiccup), so it has no interruptions to report.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Final, Literal
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import api
+
+from bridge.client.access import BusConnection
+from bridge.client.codec import Body, BusCodec, BusDecodeError
+
+DEFAULT_STREAM: Final = "KV_EVENTS"
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
+_UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class StartAt(msgspec.Struct, frozen=True):
+    """Where a JetStream replay begins: the whole stream, a stream sequence, or
+    a wall-clock time (unix seconds)."""
+
+    policy: Literal["all", "seq", "time"]
+    seq: int = 0
+    time: float = 0.0
+
+
+def parse_since(text: str, now: float | None = None) -> StartAt:
+    """`all`, a stream sequence (`12345`), an age (`90s`, `10m`, `2h`, `1d`) or
+    an ISO-8601 time (`2025-01-31T12:00:00Z`). Raises ValueError."""
+    text = text.strip()
+    if text == "all":
+        return StartAt("all")
+    if text.isdigit():
+        seq = int(text)
+        if seq < 1:
+            raise ValueError("stream sequences start at 1")
+        return StartAt("seq", seq=seq)
+    match = _DURATION.match(text)
+    if match:
+        age = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        return StartAt("time", time=(time.time() if now is None else now) - age)
+    try:
+        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--since {text!r}: expected all, a stream sequence, an age like 10m, or an ISO time") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return StartAt("time", time=when.timestamp())
+
+
+class BusMessage(msgspec.Struct, gc=False):
+    """One decoded contract message."""
+
+    subject: str
+    headers: dict[str, str]
+    body: Body
+    # This process's clock when the message came off the socket, for lag.
+    received: float
+    # Set on JetStream replays: the stream sequence, to resume from.
+    stream_seq: int | None = None
+
+
+class Interruption(msgspec.Struct, frozen=True):
+    """Messages may be missing before the next item (core NATS only)."""
+
+    reason: Literal["disconnect", "slow_consumer"]
+    ts: float
+
+
+BusItem = BusMessage | Interruption
+
+
+def consumer_config(start: StartAt) -> api.ConsumerConfig:
+    if start.policy == "seq":
+        return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start.seq)
+    if start.policy == "time":
+        when = dt.datetime.fromtimestamp(start.time, tz=dt.timezone.utc)
+        return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=when)
+    return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
+
+
+class BusSubscriber:
+    """Typed messages from `<prefix>.>` (or any narrower filter), in order.
+
+    ::
+
+        async with BusSubscriber(conn, "kv.>") as sub:
+            async for item in sub:
+                index.apply(item)
+    """
+
+    def __init__(
+        self,
+        conn: BusConnection,
+        subject: str = "kv.>",
+        *,
+        since: StartAt | None = None,
+        stream: str = DEFAULT_STREAM,
+        codec: BusCodec | None = None,
+    ) -> None:
+        self._conn = conn
+        self.subject = subject
+        self.since = since
+        self.stream = stream
+        self._codec = codec or BusCodec()
+        self._sub: Subscription | None = None
+        self.undecodable = 0
+        self.delivered = 0
+        self._seen_disconnects = 0
+        self._seen_drops = 0
+
+    async def start(self) -> None:
+        nc = self._conn.nc
+        if nc is None:
+            raise RuntimeError("BusConnection.open() first")
+        if self.since is None:
+            self._sub = await nc.subscribe(self.subject)
+            # Registered with the server before we return: a caller may publish next.
+            await nc.flush()
+        else:
+            js = nc.jetstream()
+            self._sub = await js.subscribe(
+                self.subject, stream=self.stream, ordered_consumer=True, config=consumer_config(self.since)
+            )
+        self._seen_disconnects = self._conn.disconnects
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may already be gone; nothing left to undo
+                pass
+
+    async def __aenter__(self) -> BusSubscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
+    def __aiter__(self) -> AsyncIterator[BusItem]:
+        return self.items()
+
+    async def items(self) -> AsyncIterator[BusItem]:
+        if self._sub is None:
+            raise RuntimeError("start() first")
+        async for msg in self._sub.messages:
+            interruption = self._interruption()
+            if interruption is not None:
+                yield interruption
+            item = self._decode(msg)
+            if item is not None:
+                self.delivered += 1
+                yield item
+
+    def _interruption(self) -> Interruption | None:
+        if self.since is not None or self._sub is None:
+            return None
+        disconnects = self._conn.disconnects
+        drops = self._conn.slow_consumer_drops[self._sub._id]
+        reason: Literal["disconnect", "slow_consumer"] | None = None
+        if disconnects != self._seen_disconnects:
+            reason = "disconnect"
+        elif drops != self._seen_drops:
+            reason = "slow_consumer"
+        self._seen_disconnects, self._seen_drops = disconnects, drops
+        return Interruption(reason, time.time()) if reason else None
+
+    def _decode(self, msg: Msg) -> BusMessage | None:
+        headers = dict(msg.headers) if msg.headers else {}
+        try:
+            body = self._codec.decode(msg.subject, headers, msg.data)
+        except BusDecodeError:
+            self.undecodable += 1
+            return None
+        stream_seq = msg.metadata.sequence.stream if self.since is not None else None
+        return BusMessage(msg.subject, headers, body, time.time(), stream_seq)

@@ -1,0 +1,107 @@
+"""Test helpers: a real bridge in-process, a real subscriber on the bus."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+import nats
+
+from bridge.config import OPTIONS, Settings, load_settings
+from bridge.contract import GroupMessage, WorkerRecord
+from bridge.embedded.nats_server import free_port
+from bridge.service import Bridge
+
+
+def make_settings(**overrides: Any) -> Settings:
+    """Settings as `kv-bridge run` would build them from flags."""
+    ns = argparse.Namespace(**{opt.dest: None for opt in OPTIONS})
+    ns.http_host = "127.0.0.1"
+    ns.http_port = 0
+    ns.worker_id = "test-worker"
+    for key, value in overrides.items():
+        setattr(ns, key, value)
+    return load_settings(ns, {})
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+@asynccontextmanager
+async def running_bridge(settings: Settings) -> AsyncIterator[Bridge]:
+    bridge = Bridge(settings)
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(bridge.run, stop)
+        with anyio.fail_after(15):
+            await bridge.ready.wait()
+        try:
+            yield bridge
+        finally:
+            stop.set()
+
+
+class Received(msgspec.Struct):
+    subject: str
+    headers: dict[str, str]
+    body: GroupMessage | WorkerRecord
+
+
+class BusCollector:
+    """Everything on `<prefix>.>`, decoded, in arrival order."""
+
+    def __init__(self, fmt: str = "msgpack") -> None:
+        if fmt == "msgpack":
+            self._group = msgspec.msgpack.Decoder(GroupMessage)
+            self._record = msgspec.msgpack.Decoder(WorkerRecord)
+        else:
+            self._group = msgspec.json.Decoder(GroupMessage)  # type: ignore[assignment]
+            self._record = msgspec.json.Decoder(WorkerRecord)  # type: ignore[assignment]
+        self.items: list[Received] = []
+        self.raw: list[bytes] = []
+        self.nc: nats.NATS | None = None
+
+    async def start(self, url: str, subject: str = "kv.>") -> BusCollector:
+        self.nc = await nats.connect(url)
+        await self.nc.subscribe(subject, cb=self._on_msg)
+        await self.nc.flush()
+        return self
+
+    async def _on_msg(self, msg: Any) -> None:
+        self.raw.append(msg.data)
+        body = self._record.decode(msg.data) if msg.subject.endswith(".worker") else self._group.decode(msg.data)
+        self.items.append(Received(msg.subject, dict(msg.headers or {}), body))
+
+    def groups(self) -> list[GroupMessage]:
+        return [r.body for r in self.items if isinstance(r.body, GroupMessage)]
+
+    def records(self, type_: str | None = None) -> list[WorkerRecord]:
+        return [r.body for r in self.items if isinstance(r.body, WorkerRecord) and (type_ is None or r.body.type == type_)]
+
+    def seqs(self) -> list[int]:
+        """Distinct batch seqs of group messages, in arrival order."""
+        out: list[int] = []
+        for g in self.groups():
+            if not out or out[-1] != g.seq:
+                out.append(g.seq)
+        return out
+
+    async def wait_for(self, cond: Callable[[BusCollector], bool], timeout: float = 10.0) -> None:
+        with anyio.fail_after(timeout):
+            while not cond(self):
+                await anyio.sleep(0.02)
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            await self.nc.drain()
+
+
+def metric(bridge: Bridge, name: str, **labels: str) -> float:
+    """A sample from the bridge's own Prometheus registry (0 when never set)."""
+    value = bridge.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value

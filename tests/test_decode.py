@@ -1,0 +1,62 @@
+import msgspec
+
+from bridge.decode.decoder import BatchDecodeError, BatchDecoder
+from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from bridge.embedded.wire_writer import cleared, encode_batch, removed, stored
+
+enc = msgspec.msgpack.Encoder().encode
+
+
+def test_decodes_a_hybrid_batch_with_bytes_and_int_hashes() -> None:
+    h = [b"\x01" * 32, b"\x02" * 32]
+    payload = encode_batch(
+        12.5,
+        [
+            stored(h, None, list(range(32)), 16, group_idx=0, kind="full_attention"),
+            stored([7, 8], 6, [], 16, group_idx=2, kind="mamba"),
+            removed([h[0]], group_idx=0),
+            cleared(),
+        ],
+        dp_rank=1,
+    )
+    batch = BatchDecoder().decode(payload)
+    assert batch.ts == 12.5 and batch.dp_rank == 1 and batch.rejected == []
+    assert [type(e) for e in batch.events] == [BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
+    assert batch.events[0].block_hashes == h
+    assert batch.events[1].block_hashes == [7, 8] and batch.events[1].parent_block_hash == 6
+
+
+def test_tolerates_unknown_keys_extra_array_fields_and_legacy_events() -> None:
+    future = msgspec.msgpack.decode(msgspec.msgpack.encode(stored([b"x"], None, [1], 16, group_idx=1, kind="sliding_window")))
+    future["brand_new_field"] = {"nested": [1, 2]}
+    legacy = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": [1, 2],
+              "block_size": 2, "lora_id": None, "medium": "GPU"}
+    payload = enc([1.0, [future, legacy], 0, "extra-array-field", 42])
+    batch = BatchDecoder().decode(payload)
+    assert batch.rejected == []
+    assert batch.events[0].kv_cache_spec_kind == "sliding_window"
+    assert batch.events[1].group_idx is None and batch.events[1].kv_cache_spec_kind is None
+
+
+def test_one_bad_event_is_skipped_and_the_rest_survive() -> None:
+    good1 = stored([b"a"], None, [1], 16, group_idx=0, kind="full_attention")
+    bad_type = {"type": "BlockStored", "block_hashes": "not-a-list"}
+    unknown = {"type": "BlockPromoted", "block_hashes": [1]}
+    not_a_map = 17
+    good2 = removed([b"a"], group_idx=0)
+    batch = BatchDecoder().decode(enc([2.0, [good1, bad_type, unknown, not_a_map, good2]]))
+    assert [type(e) for e in batch.events] == [BlockStored, BlockRemoved]
+    reasons = sorted(r for r, _ in batch.rejected)
+    assert reasons == ["bad_event", "bad_event", "unknown_event_type"]
+    assert ("unknown_event_type", "BlockPromoted") in batch.rejected
+
+
+def test_a_payload_that_is_no_batch_raises_a_classified_error() -> None:
+    decoder = BatchDecoder()
+    for payload in [b"", b"\xc1", enc({"ts": 1}), enc(["x", []]), b"\x92\xcb" + b"\x00" * 3]:
+        try:
+            decoder.decode(payload)
+        except BatchDecodeError as exc:
+            assert exc.reason == "bad_batch"
+            continue
+        raise AssertionError(f"decoded {payload!r}")

@@ -1,0 +1,132 @@
+"""`kv-bridge run` as a real process: HTTP endpoints, SIGTERM drain, config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import anyio
+import pytest
+
+from bridge.embedded.nats_server import NatsServerProcess, free_port
+from bridge.embedded.publisher import WirePublisher
+from bridge.embedded.workload import HybridWorkload
+from tests.busutil import BusCollector, endpoints
+
+pytestmark = pytest.mark.anyio
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _wait_http(url: str, status: int, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    last: tuple[int, str] = (0, "")
+    while time.monotonic() < deadline:
+        try:
+            last = _get(url)
+            if last[0] == status:
+                return last[1]
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered {status}: {last}")
+
+
+def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bridge", "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_sigterm_drains_everything_received_and_exits_zero(nats_server: NatsServerProcess) -> None:
+    pub_ep, replay_ep = endpoints()
+    http = free_port()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    bus = await BusCollector().start(nats_server.url)
+    # settings through the environment, one through a flag that must win over its variable
+    proc = _spawn(["--http-port", str(http), "--format", "msgpack"], env={
+        "KVB_ZMQ_ENDPOINT": pub_ep, "KVB_REPLAY_ENDPOINT": replay_ep, "KVB_NATS_URL": nats_server.url,
+        "KVB_WORKER_ID": "drain-test", "KVB_HTTP_HOST": "127.0.0.1", "KVB_FORMAT": "json",
+    })
+    try:
+        await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/readyz", 200)
+        status, text = _get(f"http://127.0.0.1:{http}/healthz")
+        assert status == 200
+        workload = HybridWorkload(seed=3)
+        sent = 300
+        for _ in range(sent):
+            pub.publish(workload.batch(64))
+        # stop as soon as the bridge has taken every batch off ZMQ, before NATS has necessarily seen them
+        def received_all() -> bool:
+            return _metric(_get(f"http://127.0.0.1:{http}/metrics")[1], "kvbridge_batches_in_total") >= sent
+        deadline = time.monotonic() + 30
+        while not await anyio.to_thread.run_sync(received_all):
+            assert time.monotonic() < deadline
+        proc.send_signal(signal.SIGTERM)
+        rc = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30))
+        assert rc == 0
+        await bus.wait_for(lambda b: len(b.records("stop")) == 1, timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pub.close()
+        await bus.close()
+    assert bus.seqs() == list(range(sent))
+    assert bus.items[-1].body.type == "stop"
+    logs = [json.loads(line) for line in proc.stderr.read().decode().splitlines() if line.startswith("{")]
+    assert any(entry["event"] == "bridge_stopped" and entry["left"] == 0 for entry in logs)
+
+
+async def test_readyz_waits_for_nats_and_healthz_does_not() -> None:
+    nats_port, http = free_port(), free_port()
+    pub_ep, _ = endpoints()
+    proc = _spawn(["--zmq-endpoint", pub_ep, "--nats-url", f"nats://127.0.0.1:{nats_port}",
+                   "--http-port", str(http), "--http-host", "127.0.0.1", "--worker-id", "w"])
+    try:
+        body = await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/readyz", 503)
+        assert "nats_connected=False" in body
+        assert _get(f"http://127.0.0.1:{http}/healthz")[0] == 200
+        assert "kvbridge_nats_connected 0.0" in _get(f"http://127.0.0.1:{http}/metrics")[1]
+        with NatsServerProcess(port=nats_port):
+            await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/readyz", 200)
+            proc.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=20)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_invalid_configuration_names_the_option() -> None:
+    cases = [
+        (["--dp-ranks", "0"], "--dp-ranks"),
+        (["--zmq-endpoint", "http://x"], "--zmq-endpoint"),
+        (["--group-kind", "1=mambo"], "--group-kind"),
+        (["--subject-prefix", "kv.>"], "--subject-prefix"),
+        (["--nats-tls-ca", "/nonexistent/ca.pem"], "--nats-tls-ca"),
+    ]
+    for args, option in cases:
+        proc = subprocess.run([sys.executable, "-m", "bridge", "run", *args], capture_output=True, timeout=30)
+        assert proc.returncode == 2, args
+        assert option in proc.stderr.decode(), (args, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "bridge", "run"], capture_output=True, timeout=30,
+                          env={**os.environ, "KVB_MAX_BUFFERED_BATCHES": "lots"})
+    assert proc.returncode == 2 and "--max-buffered-batches" in proc.stderr.decode()
