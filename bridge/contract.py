@@ -57,7 +57,9 @@ class GroupMessage(msgspec.Struct, gc=False):
 class WorkerRecord(msgspec.Struct, gc=False, omit_defaults=True):
     """A worker-level fact on `<prefix>.<worker>.worker`.
 
-    start/stop: the bridge began or ended watching this worker and rank.
+    start/stop: the bridge began or ended watching this worker and rank; a start
+      with reason "fresh" means consumers forget the worker+rank's view (the
+      bridge replays vLLM's buffer next), "resumed" that it continues the epoch.
     cleared: vLLM's AllBlocksCleared at `seq`; every group of the worker is empty.
     restart: seq went back; a new vLLM process (new `epoch`); forget all residency.
     gap: batches `gap_from..gap_to` (inclusive) are lost; the worker's view is stale.
@@ -75,6 +77,9 @@ class WorkerRecord(msgspec.Struct, gc=False, omit_defaults=True):
     reason: str | None = None
     topic: str = ""
     bridge_version: str = ""
+    # vLLM's timestamp of batch `seq` (stop, cleared): a resuming bridge compares
+    # it with what vLLM replays to tell the same process from a new one.
+    batch_ts: float | None = None
 
 
 def hash_hex(value: BlockHash, width: int = 8) -> str:

@@ -17,6 +17,7 @@ from bridge.decode.decoder import BatchDecodeError, BatchDecoder
 from bridge.normalize.normalizer import KindBook, NormalizeStats, Normalizer, StreamIdentity
 from bridge.observe.metrics import Metrics
 from bridge.sink.encode import MessageEncoder, Outgoing
+from bridge.sink.jetstream import ResumePoint
 from bridge.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.sink.subjects import SubjectBook, worker_token
 from bridge.source.frames import Frame, FrameError, parse_pub
@@ -70,7 +71,7 @@ class StreamPipeline:
         self._metrics = metrics
         self._decoder = BatchDecoder()
         self._normalizer = Normalizer(KindBook(pinned_kinds), keep_placeholders)
-        self._subjects = SubjectBook(prefix, worker, plan.dp_rank)
+        self.subjects = SubjectBook(prefix, worker, plan.dp_rank)
         self._token = worker_token(worker, plan.dp_rank)
         self.ident = StreamIdentity(worker=worker, dp_rank=plan.dp_rank, topic=topic, epoch=new_epoch())
         self.tracker = SeqTracker()
@@ -83,22 +84,27 @@ class StreamPipeline:
             worker=worker, dp_rank=plan.dp_rank, endpoint=plan.endpoint
         )
         self._rank_mismatch_logged = False
+        self._last_ts: float | None = None
+        # Set by resume(): where the stream left off, until replay or the first
+        # live batch shows whether vLLM is still the same process.
+        self._resume: ResumePoint | None = None
+        self._unverified = False
 
     # -- records ---------------------------------------------------------
 
     def record(self, type_: RecordType, *, seq: int | None = None, gap: tuple[int, int] | None = None,
-               reason: str | None = None, epoch: int | None = None) -> OutBatch:
+               reason: str | None = None, epoch: int | None = None, batch_ts: float | None = None) -> OutBatch:
         rec = WorkerRecord(
             v=SCHEMA_VERSION, worker=self.ident.worker, dp_rank=self.ident.dp_rank,
             epoch=self.ident.epoch if epoch is None else epoch, type=type_, ts=time.time(), seq=seq,
             gap_from=gap[0] if gap else None, gap_to=gap[1] if gap else None, reason=reason,
-            topic=self._topic, bridge_version=__version__,
+            topic=self._topic, bridge_version=__version__, batch_ts=batch_ts,
         )
         suffix = f"{seq}" if seq is not None else f"t{int(rec.ts * 1000)}"
         if gap:
             suffix = f"{gap[0]}-{gap[1]}"
         msg_id = f"{self._token}:{self.ident.dp_rank}:{rec.epoch}:{suffix}:worker:{type_}"
-        out = self._encoder.record(rec, self._subjects, msg_id)
+        out = self._encoder.record(rec, self.subjects, msg_id)
         return OutBatch(self.plan.index, rec.epoch, -1, rec.ts, [out])
 
     def gap_batch(self, lost: LostRange) -> OutBatch:
@@ -115,12 +121,71 @@ class StreamPipeline:
         self._log.warning("gap", first=first, last=last, reason=reason)
         self._queue.put(self.record("gap", gap=(first, last), reason=reason))
 
+    def stop_record(self) -> OutBatch:
+        return self.record("stop", seq=self.tracker.last_emitted, batch_ts=self._last_ts)
+
+    # -- resume (JetStream) ----------------------------------------------
+
+    def resume(self, point: ResumePoint) -> None:
+        """Continue the stream's epoch after the last batch it holds."""
+        self.ident.epoch = point.epoch
+        self.tracker.last_emitted = point.seq
+        self._last_ts = point.ts
+        self._resume = point
+        self._log.info("resuming", epoch=point.epoch, seq=point.seq)
+
+    async def _verify_resume(self, point: ResumePoint) -> None:
+        """Same vLLM process as before the bridge stopped? Replay from the last
+        seq the stream holds: the same seq with the same timestamp (or any later
+        batch with a later one) means yes; anything else is a new process."""
+        if self._replay is None:
+            self._unverified = True
+            return
+        result = await self._replay.fetch(max(point.seq, 0))
+        self._metrics.replays.labels("complete" if result.complete else "timeout").inc()
+        frames = sorted(result.frames, key=lambda f: f.seq)
+        if not frames:
+            if result.complete:
+                await self._restart_and_replay()
+            else:
+                self._unverified = True
+            return
+        first = frames[0]
+        first_ts = self._peek_ts(first)
+        if point.ts is None:
+            continued = first.seq >= point.seq
+        elif first.seq == point.seq:
+            continued = first_ts == point.ts
+        else:
+            continued = first_ts is not None and first_ts >= point.ts and first.seq > point.seq
+        if not continued:
+            await self._restart_and_replay()
+            return
+        self._log.info("resume_verified", epoch=self.ident.epoch, seq=point.seq, replayed=len(frames))
+        self._emit_replayed(frames, until=None)
+
+    def _peek_ts(self, frame: Frame) -> float | None:
+        try:
+            return self._decoder.decode(frame.payload).ts
+        except BatchDecodeError:
+            return None
+
+    async def _restart_and_replay(self) -> None:
+        self._restart(None)
+        assert self._replay is not None
+        result = await self._replay.fetch(0)
+        self._metrics.replays.labels("complete" if result.complete else "timeout").inc()
+        self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=None)
+
     # -- the loop --------------------------------------------------------
 
     async def run(self, on_subscribed: Callable[[], None]) -> None:
         sub = Subscriber(self._ctx, self.plan.endpoint, self._topic, self._rcvhwm)
         self._log.info("zmq_subscribed", replay=self.plan.replay_endpoint, topic=self._topic)
-        self._queue.put(self.record("start"))
+        self._queue.put(self.record("start", reason="fresh" if self._resume is None else "resumed",
+                                    seq=None if self._resume is None else self._resume.seq))
+        if self._resume is not None:
+            await self._verify_resume(self._resume)
         on_subscribed()
         try:
             async for messages in sub.batches():
@@ -138,6 +203,14 @@ class StreamPipeline:
         if self._topic_bytes and frame.topic != self._topic_bytes:
             self._metrics.dropped.labels("foreign_topic").inc()
             return
+        if self._unverified:
+            # Resumed without a replay answer: a continuing process is already
+            # past the stream's last seq, a new one is not.
+            self._unverified = False
+            if frame.seq <= self.tracker.last_emitted:
+                self._restart(frame.seq)
+                await self._heal(frame)
+                return
         verdict = self.tracker.classify_live(frame.seq)
         if verdict is Verdict.ACCEPT:
             self._emit(frame)
@@ -152,7 +225,7 @@ class StreamPipeline:
             else:
                 await self._heal(frame)
 
-    def _restart(self, seq: int) -> None:
+    def _restart(self, seq: int | None) -> None:
         previous = self.tracker.last_emitted
         self.ident.epoch = new_epoch(self.ident.epoch)
         self._normalizer.kinds.forget()
@@ -169,20 +242,24 @@ class StreamPipeline:
         else:
             result = await self._replay.fetch(want, stop_after=live.seq)
             self._metrics.replays.labels("complete" if result.complete else "timeout").inc()
-            for frame in sorted(result.frames, key=lambda f: f.seq):
-                if frame.seq >= live.seq:
-                    break
-                if not self.tracker.wants(frame.seq):
-                    continue
-                if self._topic_bytes and frame.topic not in (self._topic_bytes, b""):
-                    continue
-                if frame.seq > self.tracker.next_wanted():
-                    self._announce_gap(self.tracker.next_wanted(), frame.seq - 1, "replay_incomplete")
-                self._metrics.replayed_batches.inc()
-                self._emit(frame)
+            self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=live.seq)
             reason = "replay_incomplete" if result.complete else "replay_timeout"
             self._announce_gap(self.tracker.next_wanted(), live.seq - 1, reason)
         self._emit(live)
+
+    def _emit_replayed(self, frames: list[Frame], until: int | None) -> None:
+        """Replayed batches in seq order, each once; holes among them are gaps."""
+        for frame in frames:
+            if until is not None and frame.seq >= until:
+                break
+            if not self.tracker.wants(frame.seq):
+                continue
+            if self._topic_bytes and frame.topic not in (self._topic_bytes, b""):
+                continue
+            if frame.seq > self.tracker.next_wanted():
+                self._announce_gap(self.tracker.next_wanted(), frame.seq - 1, "replay_incomplete")
+            self._metrics.replayed_batches.inc()
+            self._emit(frame)
 
     def _emit(self, frame: Frame) -> None:
         metrics = self._metrics
@@ -201,6 +278,7 @@ class StreamPipeline:
             self._rank_mismatch_logged = True
             self._log.warning("dp_rank_mismatch", configured=self.ident.dp_rank, batch=batch.dp_rank)
         metrics.events_in.inc(len(batch.events))
+        self._last_ts = batch.ts
         stats = NormalizeStats()
         items = self._normalizer.normalize(self.ident, frame.seq, batch.ts, batch.events, time.time(), stats)
         for reason, n in stats.dropped.items():
@@ -212,11 +290,11 @@ class StreamPipeline:
         clears = 0
         for item in items:
             if type(item) is GroupMessage:
-                out.append(self._encoder.group(item, self._subjects, msg_id_base))
+                out.append(self._encoder.group(item, self.subjects, msg_id_base))
             else:
                 clears += 1
                 msg_id = f"{msg_id_base}:{frame.seq}:worker:cleared{clears}"
-                out.append(self._encoder.record(item, self._subjects, msg_id))  # type: ignore[arg-type]
+                out.append(self._encoder.record(item, self.subjects, msg_id))  # type: ignore[arg-type]
         self._queue.put(OutBatch(self.plan.index, self.ident.epoch, frame.seq, batch.ts, out))
 
     def _bad_frame(self, exc: FrameError) -> None:

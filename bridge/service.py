@@ -19,6 +19,7 @@ from bridge.observe.http import serve_http
 from bridge.observe.metrics import Metrics
 from bridge.pipeline import StreamPipeline, StreamPlan
 from bridge.sink.encode import MessageEncoder
+from bridge.sink.jetstream import ensure_stream, last_point
 from bridge.sink.publisher import NatsSink
 from bridge.sink.queue import BatchQueue, LostRange, OutBatch
 
@@ -78,14 +79,18 @@ class Bridge:
                 if handle_signals:
                     tg.start_soon(_stop_on_signal, stop)
                 async with anyio.create_task_group() as readers:
-                    for pipeline in self._pipelines:
-                        readers.start_soon(pipeline.run, self._on_subscribed)
-                    tg.start_soon(self._connect_and_publish)
+                    if s.jetstream:
+                        # Resume needs the stream before the first ZMQ batch is taken.
+                        readers.start_soon(self._resume_then_read, readers, tg)
+                    else:
+                        for pipeline in self._pipelines:
+                            readers.start_soon(pipeline.run, self._on_subscribed)
+                        tg.start_soon(self._connect_and_publish)
                     await stop.wait()
                     log.info("bridge_stopping", queued=len(self.queue))
                     readers.cancel_scope.cancel()
                 for pipeline in self._pipelines:
-                    self.queue.put(pipeline.record("stop", seq=pipeline.tracker.last_emitted))
+                    self.queue.put(pipeline.stop_record())
                 with anyio.move_on_after(s.drain_timeout) as scope:
                     await self.sink.flush()
                 if scope.cancelled_caught:
@@ -101,6 +106,18 @@ class Bridge:
     async def _connect_and_publish(self) -> None:
         await self.sink.connect()
         await self.sink.run()
+
+    async def _resume_then_read(self, readers: anyio.abc.TaskGroup, tg: anyio.abc.TaskGroup) -> None:
+        await self.sink.connect()
+        assert self.sink.js is not None
+        await ensure_stream(self.sink.js, self.settings)
+        for pipeline in self._pipelines:
+            point = await last_point(self.sink.js, self.settings.stream_name, pipeline.subjects.base)
+            if point is not None:
+                pipeline.resume(point)
+        tg.start_soon(self.sink.run)
+        for pipeline in self._pipelines:
+            readers.start_soon(pipeline.run, self._on_subscribed)
 
 
 async def _stop_on_signal(stop: anyio.Event) -> None:

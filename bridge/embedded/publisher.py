@@ -44,7 +44,7 @@ class WirePublisher:
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        while not self._queue.empty() and time.monotonic() < deadline:
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.001)
 
     @property
@@ -61,16 +61,19 @@ class WirePublisher:
                 continue
             if item is None:
                 break
-            if isinstance(item, list):
-                self._pub.send_multipart(item)
-                continue
-            payload, drop = item
-            seq = self._seq
-            self._seq += 1
-            seq_bytes = seq.to_bytes(8, "big")
-            if not drop:
-                self._pub.send_multipart((self._topic, seq_bytes, payload))
-            self._buffer.append((seq, payload))
+            try:
+                if isinstance(item, list):
+                    self._pub.send_multipart(item)
+                    continue
+                payload, drop = item
+                seq = self._seq
+                seq_bytes = seq.to_bytes(8, "big")
+                if not drop:
+                    self._pub.send_multipart((self._topic, seq_bytes, payload))
+                self._buffer.append((seq, payload))
+                self._seq += 1
+            finally:
+                self._queue.task_done()
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

@@ -102,7 +102,8 @@ class Normalizer:
                 out.append(
                     WorkerRecord(
                         v=SCHEMA_VERSION, worker=ident.worker, dp_rank=ident.dp_rank,
-                        epoch=ident.epoch, type="cleared", ts=ts, seq=seq, topic=ident.topic,
+                        epoch=ident.epoch, type="cleared", ts=bridge_ts, seq=seq, topic=ident.topic,
+                        batch_ts=ts,
                     )
                 )
                 continue

@@ -8,3 +8,7 @@ from collections.abc import Callable
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 REGISTRARS: list[Registrar] = []
+
+from bridge.tools import tail, watch  # noqa: E402  (tool modules come after REGISTRARS exists)
+REGISTRARS.append(tail.register)
+REGISTRARS.append(watch.register)

@@ -1,0 +1,59 @@
+"""The consumers' Python API: read the kv-bridge NATS contract, keep a
+hybrid-aware residency index, ask it where a request's prefix is cached.
+
+::
+
+    import anyio
+    from bridge.client import BusConnection, BusSubscriber, ResidencyIndex, access_settings
+
+    async def main(settings):
+        conn = BusConnection()
+        await conn.open(settings, "my-router")
+        index = ResidencyIndex()
+        async with BusSubscriber(conn, "kv.>") as sub:
+            async for item in sub:
+                index.apply(item)
+                ...  # index.longest_prefix(chain) whenever a request comes
+
+docs/consumers.md describes the semantics in full.
+"""
+
+from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments
+from bridge.client.codec import BusCodec, BusDecodeError
+from bridge.client.hashes import as_int, lookup_keys
+from bridge.client.index import ResidencyIndex
+from bridge.client.prefix import PrefixMatch, window_blocks
+from bridge.client.registry import RegistryFollower, declare_entry
+from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
+from bridge.client.subscribe import BusItem, BusMessage, BusSubscriber, Interruption, StartAt, parse_since
+from bridge.contract import GroupMessage, WorkerRecord
+from bridge.registry import WorkerEntry, liveness
+
+__all__ = [
+    "DEFAULT_URL",
+    "BusCodec",
+    "BusConnection",
+    "BusDecodeError",
+    "BusItem",
+    "BusMessage",
+    "BusSubscriber",
+    "GroupMessage",
+    "GroupResidency",
+    "Interruption",
+    "PrefixMatch",
+    "RegistryFollower",
+    "ResidencyIndex",
+    "StartAt",
+    "WorkerEntry",
+    "WorkerKey",
+    "WorkerRecord",
+    "WorkerView",
+    "access_settings",
+    "add_access_arguments",
+    "as_int",
+    "declare_entry",
+    "liveness",
+    "lookup_keys",
+    "parse_since",
+    "window_blocks",
+]

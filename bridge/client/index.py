@@ -1,0 +1,259 @@
+"""The residency index: which block hashes each worker holds, per group and medium.
+
+Semantics (docs/consumers.md has the long form):
+
+- Keyed by (worker, dp_rank) → group → medium → hash → count. vLLM announces
+  the same hash again when a second physical block gets it, and removes each
+  copy separately, so a store adds one and a removal takes one away; a hash is
+  resident while its count is above zero. A removal of a hash the index does not
+  hold is ignored and counted (`unknown_removals`): the store may predate the
+  subscription.
+- Groups are independent: a removal in the state group never touches the
+  attention group's counts, and the reverse.
+- `gap` record or local `Interruption`: removals may have been lost, so nothing
+  the view holds can be trusted. Every entry moves to a *suspect* layer; stores
+  after it land in the trusted layer again. Queries use trusted entries only,
+  unless asked to include suspect ones. A removal takes from the trusted layer
+  first, then the suspect one (the cautious choice when the copy is unknown).
+- `cleared`: the worker's caches are empty: all entries go (both layers), the
+  group structure stays.
+- `restart`, `start` that is not `resumed`, or a message of a newer epoch
+  without a record: a new vLLM process or an unknown past: everything for that
+  worker and rank goes, groups included. `start` with reason `resumed` keeps
+  the view (the bridge continued the same stream).
+- `stop`: the bridge stopped watching: the view is kept but skipped by queries
+  until traffic or a `start` comes back.
+- Records and messages of an older epoch than the view's are ignored (counted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator, Sequence
+from typing import NamedTuple
+
+from bridge.client.prefix import PrefixMatch, match_view, match_views
+from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
+from bridge.client.subscribe import BusMessage, Interruption
+from bridge.contract import GroupMessage, WorkerRecord
+from bridge.decode.wire import BlockHash, BlockStored
+from bridge.normalize.kinds import OTHER, STATE, WINDOW, family_of
+
+DEFAULT_MEDIUM = "GPU"  # vLLM before media existed reported only its GPU block pool
+MAX_LOST_RANGES = 16
+
+
+class _Declared(NamedTuple):
+    kind: str
+    block_size: int
+    window: int | None
+
+
+class ResidencyIndex:
+    """Feed it bus items in order; ask it which worker holds the longest
+    hybrid-valid prefix of a request (`longest_prefix`)."""
+
+    def __init__(self) -> None:
+        self.views: dict[WorkerKey, WorkerView] = {}
+        self.interruptions = 0
+        # Group structure from the worker registry: it outlives resets, so a
+        # restarted worker's state group is known before it announces anything.
+        self._declared: dict[WorkerKey, dict[int, _Declared]] = {}
+
+    # -- reading ---------------------------------------------------------
+
+    def view(self, worker: str, dp_rank: int = 0) -> WorkerView | None:
+        return self.views.get(WorkerKey(worker, dp_rank))
+
+    def __iter__(self) -> Iterator[WorkerView]:
+        return iter(list(self.views.values()))
+
+    def longest_prefix(
+        self,
+        chain: Sequence[BlockHash],
+        *,
+        media: Collection[str] | None = None,
+        include_suspect: bool = False,
+        include_unwatched: bool = False,
+        skip_workers: Collection[str] = (),
+    ) -> list[PrefixMatch]:
+        """Per worker and rank, the deepest hybrid-valid prefix of `chain` (the
+        request's block hashes in order, bytes or ints, as vLLM computes them),
+        best first. `media` limits which tiers count (None: any); suspect entries
+        count only with `include_suspect`; views whose bridge stopped, and
+        `skip_workers` (e.g. dead in the registry), are left out."""
+        views = [
+            v for v in self.views.values()
+            if (include_unwatched or v.watching) and v.key.worker not in skip_workers
+        ]
+        return match_views(views, chain, media, include_suspect)
+
+    def match(self, worker: str, dp_rank: int, chain: Sequence[BlockHash], *,
+              media: Collection[str] | None = None, include_suspect: bool = False) -> PrefixMatch | None:
+        """One worker's answer, whatever its state; None when unknown."""
+        view = self.view(worker, dp_rank)
+        return None if view is None else match_view(view, chain, media, include_suspect)
+
+    def forget(self, worker: str) -> None:
+        """Drop every rank of a worker (e.g. the registry says it is gone for good)."""
+        for key in [k for k in self.views if k.worker == worker]:
+            del self.views[key]
+        for key in [k for k in self._declared if k.worker == worker]:
+            del self._declared[key]
+
+    # -- feeding ---------------------------------------------------------
+
+    def apply(self, item: BusMessage | Interruption | GroupMessage | WorkerRecord, received: float | None = None) -> None:
+        if type(item) is BusMessage:
+            received, body = item.received, item.body
+        elif type(item) is Interruption:
+            self.interrupt()
+            return
+        else:
+            body = item  # type: ignore[assignment]
+        if type(body) is GroupMessage:
+            self.apply_group(body, received)
+        else:
+            self.apply_record(body)  # type: ignore[arg-type]
+
+    def interrupt(self) -> None:
+        """Messages may have been lost for every worker (this consumer's own gap)."""
+        self.interruptions += 1
+        for view in self.views.values():
+            view.interruptions += 1
+            for g in view.groups.values():
+                g.demote()
+
+    def _current(self, worker: str, dp_rank: int, epoch: int) -> WorkerView | None:
+        """The view for a message of `epoch`, reset when the epoch is newer
+        (a new vLLM process whose records we did not see); None when older."""
+        key = WorkerKey(worker, dp_rank)
+        view = self.views.get(key)
+        if view is None:
+            view = self._new_view(key, epoch)
+        elif view.epoch == 0:
+            view.epoch = epoch
+        elif epoch < view.epoch:
+            view.old_epoch_ignored += 1
+            return None
+        elif epoch > view.epoch:
+            self._reset(view, epoch)
+        return view
+
+    def _new_view(self, key: WorkerKey, epoch: int) -> WorkerView:
+        view = self.views[key] = WorkerView(key, epoch)
+        for group, decl in self._declared.get(key, {}).items():
+            self._seed(view, group, decl)
+        return view
+
+    def _reset(self, view: WorkerView, epoch: int) -> None:
+        view.reset(epoch)
+        for group, decl in self._declared.get(view.key, {}).items():
+            self._seed(view, group, decl)
+
+    @staticmethod
+    def _seed(view: WorkerView, group: int, decl: _Declared) -> None:
+        g = view.groups.get(group)
+        if g is None:
+            g = view.groups[group] = GroupResidency(group, decl.kind, family_of(decl.kind))
+        elif g.family == OTHER and family_of(decl.kind) != OTHER:
+            g.learn(decl.kind, family_of(decl.kind))
+        if not g.block_size and decl.block_size > 0:
+            g.block_size = decl.block_size
+        if g.window is None and decl.window:
+            g.window = decl.window
+
+    def apply_group(self, msg: GroupMessage, received: float | None = None) -> None:
+        view = self._current(msg.worker, msg.dp_rank, msg.epoch)
+        if view is None:
+            return
+        view.watching = True
+        view.messages += 1
+        view.topic = msg.topic
+        g = view.group(msg.group, msg.kind, msg.family)
+        if msg.kind_source != "unknown" and (g.kind != msg.kind or g.family != msg.family):
+            g.learn(msg.kind, msg.family)
+        family = g.family
+        for event in msg.events:
+            medium = event.medium or DEFAULT_MEDIUM
+            if type(event) is BlockStored:
+                if event.block_size > 0 and not event.placeholder:
+                    g.block_size = event.block_size
+                if event.kv_cache_spec_sliding_window:
+                    g.window = event.kv_cache_spec_sliding_window
+                hashes = event.block_hashes
+                if family == STATE and len(hashes) > 1:
+                    # A checkpoint is valid at one hash only (the contract reduces
+                    # these already; an older bridge may not have).
+                    hashes = hashes[-1:]
+                placeholder = family == WINDOW and (event.placeholder or event.block_size == 0)
+                g.store(medium, hashes, placeholder)
+            else:
+                g.remove(medium, event.block_hashes)
+        if view.last_seq is None or msg.seq >= view.last_seq:
+            view.last_seq = msg.seq
+        view.last_ts = msg.ts
+        now = time.time() if received is None else received
+        view.last_received = now
+        view.lag = max(0.0, now - msg.ts)
+
+    def apply_record(self, rec: WorkerRecord) -> None:
+        key = WorkerKey(rec.worker, rec.dp_rank)
+        if rec.type == "restart":
+            view = self.views.get(key)
+            if view is not None and view.epoch and rec.epoch < view.epoch:
+                view.old_epoch_ignored += 1
+                return
+            if view is None:
+                view = self._new_view(key, rec.epoch)
+            else:
+                self._reset(view, rec.epoch)
+            view.restarts += 1
+            view.watching = True
+            return
+        if rec.type == "start":
+            view = self.views.get(key)
+            if view is not None and view.epoch and rec.epoch < view.epoch:
+                view.old_epoch_ignored += 1
+                return
+            if view is None:
+                view = self._new_view(key, rec.epoch)
+            elif rec.reason == "resumed":
+                view.epoch = rec.epoch
+            else:
+                # A fresh bridge saw nothing of the past: what we hold may be
+                # long gone, and it will not tell us.
+                self._reset(view, rec.epoch)
+            view.watching = True
+            view.topic = rec.topic
+            return
+        view = self._current(rec.worker, rec.dp_rank, rec.epoch)
+        if view is None:
+            return
+        if rec.type == "gap":
+            view.gaps += 1
+            if rec.gap_from is not None and rec.gap_to is not None:
+                view.lost.append((rec.gap_from, rec.gap_to))
+                del view.lost[:-MAX_LOST_RANGES]
+            for g in view.groups.values():
+                g.demote()
+        elif rec.type == "cleared":
+            view.clears += 1
+            for g in view.groups.values():
+                g.clear()
+        elif rec.type == "stop":
+            view.watching = False
+
+    def declare(self, worker: str, dp_rank: int, group: int, kind: str, block_size: int = 0,
+                window: int | None = None) -> None:
+        """Make a group known before it has announced anything (from the worker
+        registry), so a state group with no checkpoint yet blocks prefixes
+        instead of going unnoticed. Never overrides what messages taught."""
+        key = WorkerKey(worker, dp_rank)
+        decl = _Declared(kind, block_size, window)
+        self._declared.setdefault(key, {})[group] = decl
+        view = self.views.get(key)
+        if view is None:
+            view = self._new_view(key, 0)
+        else:
+            self._seed(view, group, decl)

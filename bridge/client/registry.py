@@ -1,0 +1,111 @@
+"""Reading the worker registry: who is out there, and who is still alive.
+
+Follows the bridge-written JetStream KV bucket (see `bridge.registry`) with a
+KV watch, so a new heartbeat shows up at once. A bucket that does not exist yet
+(no bridge with JetStream started so far) is looked for again every few seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
+
+from bridge.client.index import ResidencyIndex
+from bridge.registry import DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
+
+DEFAULT_BUCKET = "kv_workers"
+_RETRY_SECONDS = 2.0
+_DELETES = ("DEL", "PURGE")
+
+
+def declare_entry(index: ResidencyIndex, entry: WorkerEntry) -> None:
+    """Tell the index every group of every rank the registry knows of."""
+    for rank in entry.ranks:
+        for g in entry.groups:
+            index.declare(entry.worker, rank.dp_rank, g.group, g.kind, g.block_size, g.sliding_window)
+
+
+class RegistryFollower:
+    """Entries by worker id, kept current from the bucket."""
+
+    def __init__(self, nc: NatsClient, bucket: str = DEFAULT_BUCKET, dead_after: float = DEFAULT_DEAD_AFTER,
+                 on_entry: Callable[[WorkerEntry], None] | None = None) -> None:
+        self._nc = nc
+        self.bucket = bucket
+        self.dead_after = dead_after
+        self._on_entry = on_entry
+        self.entries: dict[str, WorkerEntry] = {}
+        self._by_key: dict[str, str] = {}
+        self.available = False
+        self.bad_entries = 0
+        # Set once the bucket's current contents have been read.
+        self.loaded = anyio.Event()
+
+    def status(self, worker: str, now: float | None = None) -> Liveness | None:
+        """alive / dead / stopped, or None when the registry has no entry."""
+        entry = self.entries.get(worker)
+        return None if entry is None else liveness(entry, now, self.dead_after)
+
+    def dead(self, now: float | None = None) -> set[str]:
+        """Workers to leave out of routing: dead or stopped."""
+        now = time.time() if now is None else now
+        return {w for w, e in self.entries.items() if liveness(e, now, self.dead_after) != "alive"}
+
+    async def run(self) -> None:
+        """Follows the bucket until cancelled."""
+        while True:
+            kv = await self._bucket()
+            if kv is None:
+                await anyio.sleep(_RETRY_SECONDS)
+                continue
+            try:
+                await self._follow(kv)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                # The watch broke (server restart, bucket deleted): start over.
+                self.available = False
+                await anyio.sleep(_RETRY_SECONDS)
+
+    async def _bucket(self) -> KeyValue | None:
+        try:
+            kv = await self._nc.jetstream().key_value(self.bucket)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.ServiceUnavailableError,
+                nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.js.errors.APIError):
+            # No bucket yet, or no JetStream on this server: liveness stays unknown.
+            self.loaded.set()
+            return None
+        self.available = True
+        return kv
+
+    async def _follow(self, kv: KeyValue) -> None:
+        watcher = await kv.watchall()
+        try:
+            async for update in watcher:
+                if update is None:
+                    self.loaded.set()
+                    continue
+                self._apply(update.key, update.value, update.operation)
+        finally:
+            await watcher.stop()
+
+    def _apply(self, key: str, value: bytes | None, operation: str | None) -> None:
+        if operation in _DELETES:
+            worker = self._by_key.pop(key, None)
+            if worker is not None:
+                self.entries.pop(worker, None)
+            return
+        try:
+            entry = decode_entry(value or b"")
+        except msgspec.DecodeError:
+            self.bad_entries += 1
+            return
+        self._by_key[key] = entry.worker
+        self.entries[entry.worker] = entry
+        if self._on_entry is not None:
+            self._on_entry(entry)

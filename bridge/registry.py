@@ -1,0 +1,257 @@
+"""The worker registry: one JetStream key-value entry per worker, kept fresh by
+heartbeats, so consumers can list workers and tell live ones from dead ones.
+
+Bucket: `--registry-bucket` (default `kv_workers`), created on first use with
+`history=1` and a `ttl` (entries nobody refreshes vanish after it). Key: the
+worker's subject token (`worker_token(worker, 0)`) with `~` written as `=`,
+because KV keys allow `[-/_=.A-Za-z0-9]` and the token alphabet never holds
+`=`, so the mapping stays injective. Value: a `WorkerEntry` as JSON, so
+`nats kv get kv_workers <key>` is readable.
+
+A reader calls a worker dead when `now - heartbeat_ts > dead_after ×
+heartbeat_interval` (the entry carries its own interval, so readers need no
+configuration), and stopped when the bridge wrote `state="stopped"` on exit.
+
+What the entry says about groups and seqs comes from the batches the bridge
+hands to NATS (`GroupCatalog.observe`), i.e. from the same headers and
+payloads consumers see, not from the pipeline's internals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Final, Literal, NoReturn
+
+import anyio
+import msgspec
+import nats.js
+import nats.js.errors
+import structlog
+from nats.js.kv import KeyValue
+
+from bridge import __version__
+from bridge.contract import HDR_EPOCH, HDR_FAMILY, HDR_FORMAT, HDR_KIND, HDR_SEQ, GroupMessage
+from bridge.decode.wire import BlockStored
+from bridge.normalize.kinds import UNKNOWN_KIND, WINDOW
+from bridge.sink.encode import decoder_for
+from bridge.sink.queue import BatchQueue, GapMaker, OutBatch
+from bridge.sink.subjects import parse_worker_token, worker_token
+
+log = structlog.get_logger("bridge.registry")
+
+REGISTRY_VERSION: Final = 1
+DEFAULT_DEAD_AFTER: Final = 3.0
+# While a group's block size (or window) is unknown, decode one message in this
+# many to learn it; the rest of the time the catalog reads headers only.
+_SAMPLE_EVERY: Final = 16
+
+Liveness = Literal["alive", "dead", "stopped"]
+
+
+class GroupInfo(msgspec.Struct, omit_defaults=True):
+    group: int
+    kind: str
+    family: str
+    block_size: int = 0  # tokens per block; 0 until a store names it
+    sliding_window: int | None = None  # tokens, window groups only
+
+
+class RankInfo(msgspec.Struct, omit_defaults=True):
+    dp_rank: int
+    epoch: int = 0
+    # Last vLLM batch seq this bridge handed to NATS for the rank (None: none yet).
+    last_seq: int | None = None
+
+
+class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = REGISTRY_VERSION
+    worker: str
+    topic: str = ""
+    model: str = ""
+    subject_prefix: str = "kv"
+    ranks: list[RankInfo]
+    groups: list[GroupInfo]
+    bridge_version: str = __version__
+    started_at: float
+    heartbeat_ts: float = 0.0
+    heartbeat_interval: float
+    state: Literal["running", "stopped"] = "running"
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(WorkerEntry).decode
+
+
+def registry_key(worker: str) -> str:
+    return worker_token(worker, 0).replace("~", "=")
+
+
+def encode_entry(entry: WorkerEntry) -> bytes:
+    return _encode(entry)
+
+
+def decode_entry(data: bytes) -> WorkerEntry:
+    """Raises msgspec.DecodeError on anything that is not an entry."""
+    return _decode(data)
+
+
+def liveness(entry: WorkerEntry, now: float | None = None, dead_after: float = DEFAULT_DEAD_AFTER) -> Liveness:
+    if entry.state == "stopped":
+        return "stopped"
+    now = time.time() if now is None else now
+    return "dead" if now - entry.heartbeat_ts > dead_after * entry.heartbeat_interval else "alive"
+
+
+class WorkerRegistry:
+    """The bridge's writer. Opening the bucket is lazy, so it can be built before
+    NATS answers; every failure is logged and retried at the next beat."""
+
+    def __init__(self, js: nats.js.JetStreamContext, bucket: str, ttl: float) -> None:
+        self._js = js
+        self.bucket = bucket
+        self.ttl = ttl
+        self._kv: KeyValue | None = None
+
+    async def open(self) -> KeyValue:
+        if self._kv is None:
+            try:
+                self._kv = await self._js.key_value(self.bucket)
+            except nats.js.errors.BucketNotFoundError:
+                try:
+                    self._kv = await self._js.create_key_value(
+                        bucket=self.bucket, history=1, ttl=self.ttl, description="kv-bridge worker registry",
+                    )
+                except nats.js.errors.BadRequestError:
+                    # Another bridge created it first (maybe with another ttl): use theirs.
+                    self._kv = await self._js.key_value(self.bucket)
+        return self._kv
+
+    async def put(self, entry: WorkerEntry) -> int:
+        """Writes the entry with `heartbeat_ts` set to now; returns the revision."""
+        kv = await self.open()
+        fresh = msgspec.structs.replace(entry, heartbeat_ts=time.time())
+        return await kv.put(registry_key(entry.worker), encode_entry(fresh))
+
+    async def heartbeat(self, snapshot: Callable[[], WorkerEntry], interval: float) -> NoReturn:
+        """Puts `snapshot()` every `interval` seconds until cancelled."""
+        while True:
+            try:
+                await self.put(snapshot())
+            except Exception as exc:  # NATS away or JetStream busy: the next beat tries again
+                log.warning("registry_put_failed", bucket=self.bucket, error=type(exc).__name__, detail=str(exc)[:200])
+                self._kv = None
+            await anyio.sleep(interval)
+
+    async def stopped(self, entry: WorkerEntry) -> None:
+        """The last word on exit: readers show `stopped`, not `dead`."""
+        await self.put(msgspec.structs.replace(entry, state="stopped"))
+
+
+class _RankSeen:
+    __slots__ = ("epoch", "last_seq")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.last_seq: int | None = None
+
+
+class GroupCatalog:
+    """What the registry entry says about groups and seqs, learned from the
+    batches on their way to NATS. Header reads per message; a payload is decoded
+    only (and only sometimes) while a group's block size or window is unknown."""
+
+    def __init__(self) -> None:
+        self._groups: dict[int, GroupInfo] = {}
+        self._ranks: dict[int, _RankSeen] = {}
+        self._rank_of_subject: dict[str, int] = {}
+        self._misses: dict[int, int] = {}
+
+    def observe(self, batch: OutBatch) -> None:
+        for out in batch.messages:
+            headers = out.headers
+            rank = self._rank(out.subject)
+            seen = self._ranks.get(rank)
+            if seen is None:
+                seen = self._ranks[rank] = _RankSeen()
+            epoch = int(headers.get(HDR_EPOCH, 0) or 0)
+            if epoch and epoch != seen.epoch:
+                seen.epoch, seen.last_seq = epoch, None
+            seq_text = headers.get(HDR_SEQ)
+            if seq_text is not None:
+                seq = int(seq_text)
+                if seen.last_seq is None or seq > seen.last_seq:
+                    seen.last_seq = seq
+            if out.family != "worker":
+                self._learn_group(out.subject, headers, out.payload)
+
+    def _rank(self, subject: str) -> int:
+        rank = self._rank_of_subject.get(subject)
+        if rank is None:
+            parts = subject.rsplit(".", 2)
+            rank = parse_worker_token(parts[1])[1] if len(parts) == 3 else 0
+            self._rank_of_subject[subject] = rank
+        return rank
+
+    def _learn_group(self, subject: str, headers: dict[str, str], payload: bytes) -> None:
+        group = int(subject.rpartition(".")[2])
+        kind = headers.get(HDR_KIND, UNKNOWN_KIND)
+        family = headers.get(HDR_FAMILY, "other")
+        info = self._groups.get(group)
+        if info is None or (kind != info.kind and kind != UNKNOWN_KIND):
+            info = self._groups[group] = GroupInfo(group, kind, family)
+        complete = info.block_size > 0 and (info.family != WINDOW or info.sliding_window is not None)
+        if complete:
+            return
+        misses = self._misses.get(group, 0)
+        self._misses[group] = misses + 1
+        if misses % _SAMPLE_EVERY == 0:
+            self._learn_sizes(info, headers.get(HDR_FORMAT, "msgpack"), payload)
+
+    @staticmethod
+    def _learn_sizes(info: GroupInfo, fmt: str, payload: bytes) -> None:
+        try:
+            msg: GroupMessage = decoder_for(fmt, GroupMessage).decode(payload)
+        except (msgspec.DecodeError, ValueError):
+            return
+        for event in msg.events:
+            if type(event) is BlockStored and not event.placeholder:
+                if event.block_size > 0 and not info.block_size:
+                    info.block_size = event.block_size
+                if event.kv_cache_spec_sliding_window and info.sliding_window is None:
+                    info.sliding_window = event.kv_cache_spec_sliding_window
+
+    def entry(
+        self,
+        *,
+        worker: str,
+        topic: str,
+        subject_prefix: str,
+        ranks: Iterable[int],
+        started_at: float,
+        heartbeat_interval: float,
+        model: str = "",
+    ) -> WorkerEntry:
+        wanted = sorted(set(ranks) | set(self._ranks))
+        rank_infos = []
+        for rank in wanted:
+            seen = self._ranks.get(rank)
+            rank_infos.append(RankInfo(rank, seen.epoch, seen.last_seq) if seen else RankInfo(rank))
+        groups = [msgspec.structs.replace(g) for _, g in sorted(self._groups.items())]
+        return WorkerEntry(
+            worker=worker, topic=topic, model=model, subject_prefix=subject_prefix, ranks=rank_infos,
+            groups=groups, started_at=started_at, heartbeat_interval=heartbeat_interval,
+        )
+
+
+class CatalogQueue(BatchQueue):
+    """The bridge's BatchQueue, showing every batch to a GroupCatalog on its way
+    in: every pipeline already writes through it, so nothing else changes."""
+
+    def __init__(self, max_batches: int, make_gap: GapMaker, catalog: GroupCatalog) -> None:
+        super().__init__(max_batches, make_gap)
+        self.catalog = catalog
+
+    def put(self, batch: OutBatch) -> None:
+        self.catalog.observe(batch)
+        super().put(batch)

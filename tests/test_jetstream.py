@@ -1,0 +1,179 @@
+"""JetStream mode: acks, de-duplication, resume after a bridge crash, vLLM restart detection."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import anyio
+import msgspec
+import nats
+import pytest
+
+from bridge.contract import GroupMessage, WorkerRecord
+from bridge.embedded.nats_server import NatsServerProcess, free_port
+from bridge.embedded.publisher import WirePublisher
+from bridge.embedded.workload import HybridWorkload
+from tests.busutil import endpoints, make_settings, metric, running_bridge
+
+pytestmark = pytest.mark.anyio
+
+
+async def stream_contents(url: str, stream: str = "KV_EVENTS") -> list[tuple[str, GroupMessage | WorkerRecord]]:
+    """Everything the stream holds, in stream order."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    info = await js.stream_info(stream)
+    out: list[tuple[str, GroupMessage | WorkerRecord]] = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        raw = await js.get_msg(stream, seq)
+        type_ = WorkerRecord if raw.subject.endswith(".worker") else GroupMessage
+        out.append((raw.subject, msgspec.msgpack.decode(raw.data, type=type_)))
+    await nc.close()
+    return out
+
+
+def group_keys(contents: list[tuple[str, GroupMessage | WorkerRecord]]) -> Counter[tuple[int, int, int]]:
+    return Counter((b.epoch, b.seq, b.group) for _, b in contents if isinstance(b, GroupMessage))
+
+
+async def test_jetstream_mode_stores_every_batch_once(nats_server: NatsServerProcess) -> None:
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
+                             jetstream=True, stream_max_age="600")
+    workload = HybridWorkload(seed=1)
+    try:
+        async with running_bridge(settings) as bridge:
+            for _ in range(50):
+                pub.publish(workload.batch(16))
+            with anyio.fail_after(20):
+                while metric(bridge, "kvbridge_batches_out_total") < 50:
+                    await anyio.sleep(0.05)
+    finally:
+        pub.close()
+    contents = await stream_contents(nats_server.url)
+    keys = group_keys(contents)
+    assert {seq for _, seq, _ in keys} == set(range(50))
+    assert max(keys.values()) == 1
+    nc = await nats.connect(nats_server.url)
+    info = await nc.jetstream().stream_info("KV_EVENTS")
+    await nc.close()
+    assert info.config.subjects == ["kv.>"] and info.config.allow_direct and info.config.max_age == 600
+
+
+def _spawn_bridge(pub_ep: str, replay_ep: str, url: str, http: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bridge", "run", "--zmq-endpoint", pub_ep, "--replay-endpoint", replay_ep,
+         "--nats-url", url, "--jetstream", "--worker-id", "js-worker", "--http-port", str(http),
+         "--http-host", "127.0.0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ),
+    )
+
+
+async def _wait_ready(http: int) -> None:
+    import urllib.request
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    with anyio.fail_after(30):
+        while not await anyio.to_thread.run_sync(probe):
+            await anyio.sleep(0.1)
+
+
+async def test_bridge_killed_and_restarted_loses_nothing_and_duplicates_nothing(nats_server: NatsServerProcess) -> None:
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    workload = HybridWorkload(seed=2)
+    http = free_port()
+    first = _spawn_bridge(pub_ep, replay_ep, nats_server.url, http)
+    second = None
+    try:
+        await _wait_ready(http)
+        for _ in range(200):
+            pub.publish(workload.batch(8))
+            await anyio.sleep(0.002)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        # vLLM keeps publishing while no bridge listens
+        for _ in range(100):
+            pub.publish(workload.batch(8))
+        pub.wait_idle()
+        second = _spawn_bridge(pub_ep, replay_ep, nats_server.url, http)
+        await _wait_ready(http)
+        for _ in range(50):
+            pub.publish(workload.batch(8))
+        pub.wait_idle()
+        total = pub.next_seq
+        assert total == 350
+        with anyio.fail_after(30):
+            while True:
+                keys = group_keys(await stream_contents(nats_server.url))
+                if {seq for _, seq, _ in keys} >= set(range(total)):
+                    break
+                await anyio.sleep(0.2)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=20)
+        pub.close()
+    contents = await stream_contents(nats_server.url)
+    keys = group_keys(contents)
+    epochs = {epoch for epoch, _, _ in keys}
+    assert len(epochs) == 1, "the resumed bridge continues the same epoch"
+    seqs = Counter(seq for _, seq, _ in keys)
+    assert set(seqs) == set(range(total)), "lost batches"
+    assert max(keys.values()) == 1, "a batch reached the stream twice"
+    records = [b for _, b in contents if isinstance(b, WorkerRecord)]
+    assert [r.reason for r in records if r.type == "start"] == ["fresh", "resumed"]
+    assert not [r for r in records if r.type in ("gap", "restart")]
+
+
+async def test_resume_recognises_a_vllm_restart_while_the_bridge_was_down(nats_server: NatsServerProcess) -> None:
+    pub_ep, replay_ep = endpoints()
+    bind = (pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
+                             jetstream=True)
+    workload = HybridWorkload(seed=3)
+    pub = WirePublisher(*bind)
+    async with running_bridge(settings) as bridge:
+        for _ in range(30):
+            pub.publish(workload.batch(8))
+        with anyio.fail_after(20):
+            while metric(bridge, "kvbridge_batches_out_total") < 30:
+                await anyio.sleep(0.05)
+    pub.close()
+    # a new vLLM process: seq starts over, and it has already published 10 batches
+    time.sleep(0.2)
+    pub = WirePublisher(*bind)
+    for _ in range(10):
+        pub.publish(workload.batch(8))
+    pub.wait_idle()
+    try:
+        async with running_bridge(settings) as bridge:
+            for _ in range(5):
+                pub.publish(workload.batch(8))
+            with anyio.fail_after(20):
+                while metric(bridge, "kvbridge_batches_out_total") < 15:
+                    await anyio.sleep(0.05)
+            assert metric(bridge, "kvbridge_restarts_total") == 1
+    finally:
+        pub.close()
+    contents = await stream_contents(nats_server.url)
+    keys = group_keys(contents)
+    epochs = sorted({epoch for epoch, _, _ in keys})
+    assert len(epochs) == 2
+    assert {seq for e, seq, _ in keys if e == epochs[0]} == set(range(30))
+    assert {seq for e, seq, _ in keys if e == epochs[1]} == set(range(15))
+    restarts = [b for _, b in contents if isinstance(b, WorkerRecord) and b.type == "restart"]
+    assert len(restarts) == 1 and restarts[0].epoch == epochs[1]
