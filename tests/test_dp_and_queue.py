@@ -1,0 +1,81 @@
+"""Data-parallel ranks on offset ports; the bounded queue's drop-oldest policy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bridge.embedded.nats_server import NatsServerProcess, free_port
+from bridge.embedded.publisher import WirePublisher
+from bridge.embedded.wire_writer import encode_batch, stored
+from bridge.sink.encode import Outgoing
+from bridge.sink.queue import BatchQueue, LostRange, OutBatch
+from tests.busutil import BusCollector, make_settings, running_bridge
+
+
+def _free_pair() -> int:
+    """A port p with p+1 free too, as vLLM's DP rank offset needs."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no consecutive free ports")
+
+
+@pytest.mark.anyio
+async def test_each_dp_rank_has_its_own_subjects_and_seq(nats_server: NatsServerProcess) -> None:
+    port, rport = _free_pair(), _free_pair()
+    pubs = [WirePublisher(f"tcp://*:{port + r}", f"tcp://*:{rport + r}") for r in (0, 1)]
+    settings = make_settings(zmq_endpoint=[f"tcp://127.0.0.1:{port}"], replay_endpoint=[f"tcp://127.0.0.1:{rport}"],
+                             dp_ranks="2", nats_url=[nats_server.url], worker_id="w")
+    bus = await BusCollector().start(nats_server.url)
+    try:
+        async with running_bridge(settings):
+            for i in range(6):
+                for rank, pub in enumerate(pubs):
+                    pub.publish(encode_batch(time.time(), [stored([bytes([rank, i]) * 16], None, [], 16, group_idx=0,
+                                                                  kind="full_attention")], rank))
+            await bus.wait_for(lambda b: len(b.groups()) == 12)
+    finally:
+        for pub in pubs:
+            pub.close()
+        await bus.close()
+    by_subject: dict[str, list[int]] = {}
+    for r in bus.items:
+        if not r.subject.endswith(".worker"):
+            by_subject.setdefault(r.subject, []).append(r.body.seq)
+            assert r.body.events[0].block_hashes[0][0] == r.body.dp_rank
+    assert by_subject == {"kv.w.0": list(range(6)), "kv.w-dp1.0": list(range(6))}
+
+
+def _batch(seq: int, stream: int = 0) -> OutBatch:
+    return OutBatch(stream, 1, seq, 0.0, [Outgoing("s", b"", {}, "attention", 1)])
+
+
+def test_full_queue_drops_oldest_and_announces_the_range_first() -> None:
+    made: list[LostRange] = []
+
+    def make_gap(lost: LostRange) -> OutBatch:
+        made.append(lost)
+        return OutBatch(lost.stream, lost.epoch, -1, 0.0, [Outgoing("gap", b"", {}, "worker", 0)])
+
+    q = BatchQueue(3, make_gap)
+    record = OutBatch(0, 1, -1, 0.0, [Outgoing("rec", b"", {}, "worker", 0)])
+    q.put(record)
+    for seq in range(6):
+        q.put(_batch(seq))
+    # records are never dropped; batches 0..3 went, oldest first
+    assert q.dropped == 4
+    order = []
+    while (item := q.peek()) is not None:
+        order.append(item.messages[0].subject if item.seq < 0 else item.seq)
+        q.pop()
+    assert order == ["gap", "rec", 4, 5]
+    assert [(m.first, m.last) for m in made] == [(0, 3)]
