@@ -105,7 +105,7 @@ class StreamPipeline:
             suffix = f"{gap[0]}-{gap[1]}"
         msg_id = f"{self._token}:{self.ident.dp_rank}:{rec.epoch}:{suffix}:worker:{type_}"
         out = self._encoder.record(rec, self.subjects, msg_id)
-        return OutBatch(self.plan.index, rec.epoch, -1, rec.ts, [out])
+        return OutBatch(self.plan.index, rec.epoch, -1, rec.ts, [out], self.ident.dp_rank)
 
     def gap_batch(self, lost: LostRange) -> OutBatch:
         self._metrics.gaps.labels("queue_overflow").inc()
@@ -295,7 +295,7 @@ class StreamPipeline:
                 clears += 1
                 msg_id = f"{msg_id_base}:{frame.seq}:worker:cleared{clears}"
                 out.append(self._encoder.record(item, self.subjects, msg_id))  # type: ignore[arg-type]
-        self._queue.put(OutBatch(self.plan.index, self.ident.epoch, frame.seq, batch.ts, out))
+        self._queue.put(OutBatch(self.plan.index, self.ident.epoch, frame.seq, batch.ts, out, self.ident.dp_rank))
 
     def _bad_frame(self, exc: FrameError) -> None:
         self._metrics.malformed.labels(exc.reason).inc()

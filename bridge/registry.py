@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Final, Literal, NoReturn
+from typing import Any, Final, Literal, NoReturn
 
 import anyio
 import msgspec
@@ -35,7 +35,7 @@ from bridge.contract import HDR_EPOCH, HDR_FAMILY, HDR_FORMAT, HDR_KIND, HDR_SEQ
 from bridge.decode.wire import BlockStored
 from bridge.normalize.kinds import UNKNOWN_KIND, WINDOW
 from bridge.sink.encode import decoder_for
-from bridge.sink.queue import BatchQueue, GapMaker, OutBatch
+from bridge.sink.queue import BatchQueue, OutBatch
 from bridge.sink.subjects import parse_worker_token, worker_token
 
 log = structlog.get_logger("bridge.registry")
@@ -166,6 +166,7 @@ class GroupCatalog:
         self._ranks: dict[int, _RankSeen] = {}
         self._rank_of_subject: dict[str, int] = {}
         self._misses: dict[int, int] = {}
+        self._decoders: dict[str, Any] = {}
 
     def observe(self, batch: OutBatch) -> None:
         for out in batch.messages:
@@ -208,10 +209,12 @@ class GroupCatalog:
         if misses % _SAMPLE_EVERY == 0:
             self._learn_sizes(info, headers.get(HDR_FORMAT, "msgpack"), payload)
 
-    @staticmethod
-    def _learn_sizes(info: GroupInfo, fmt: str, payload: bytes) -> None:
+    def _learn_sizes(self, info: GroupInfo, fmt: str, payload: bytes) -> None:
+        decoder = self._decoders.get(fmt)
+        if decoder is None:
+            decoder = self._decoders[fmt] = decoder_for(fmt, GroupMessage)
         try:
-            msg: GroupMessage = decoder_for(fmt, GroupMessage).decode(payload)
+            msg: GroupMessage = decoder.decode(payload)
         except (msgspec.DecodeError, ValueError):
             return
         for event in msg.events:
@@ -246,10 +249,11 @@ class GroupCatalog:
 
 class CatalogQueue(BatchQueue):
     """The bridge's BatchQueue, showing every batch to a GroupCatalog on its way
-    in: every pipeline already writes through it, so nothing else changes."""
+    in: every pipeline already writes through it, so nothing else changes.
+    Arguments after `catalog` are BatchQueue's own."""
 
-    def __init__(self, max_batches: int, make_gap: GapMaker, catalog: GroupCatalog) -> None:
-        super().__init__(max_batches, make_gap)
+    def __init__(self, catalog: GroupCatalog, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.catalog = catalog
 
     def put(self, batch: OutBatch) -> None:

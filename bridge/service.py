@@ -37,7 +37,9 @@ class Bridge:
         self.metrics.info.labels(__version__, settings.worker_id).set(1)
         self.http_port: int | None = None
         self._pipelines: list[StreamPipeline] = []
-        self.queue = BatchQueue(settings.max_buffered_batches, self._gap_batch)
+        self.queue = BatchQueue(
+            settings.max_buffered_batches, self._gap_batch, self.metrics.dropped.labels("queue_overflow").inc
+        )
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health)
         self._subscribed = 0
         self.ready = anyio.Event()

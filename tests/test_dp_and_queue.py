@@ -66,13 +66,14 @@ def test_full_queue_drops_oldest_and_announces_the_range_first() -> None:
         made.append(lost)
         return OutBatch(lost.stream, lost.epoch, -1, 0.0, [Outgoing("gap", b"", {}, "worker", 0)])
 
-    q = BatchQueue(3, make_gap)
+    drops: list[int] = []
+    q = BatchQueue(3, make_gap, lambda: drops.append(1))
     record = OutBatch(0, 1, -1, 0.0, [Outgoing("rec", b"", {}, "worker", 0)])
     q.put(record)
     for seq in range(6):
         q.put(_batch(seq))
     # records are never dropped; batches 0..3 went, oldest first
-    assert q.dropped == 4
+    assert q.dropped == 4 and len(drops) == 4
     order = []
     while (item := q.peek()) is not None:
         order.append(item.messages[0].subject if item.seq < 0 else item.seq)

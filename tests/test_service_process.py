@@ -130,3 +130,36 @@ def test_invalid_configuration_names_the_option() -> None:
     proc = subprocess.run([sys.executable, "-m", "bridge", "run"], capture_output=True, timeout=30,
                           env={**os.environ, "KVB_MAX_BUFFERED_BATCHES": "lots"})
     assert proc.returncode == 2 and "--max-buffered-batches" in proc.stderr.decode()
+
+
+async def test_without_nats_url_run_starts_its_own_nats_server() -> None:
+    pub_ep, _ = endpoints()
+    http = free_port()
+    proc = _spawn(["--zmq-endpoint", pub_ep, "--http-port", str(http), "--http-host", "127.0.0.1",
+                   "--worker-id", "solo", "--log-format", "json"])
+    try:
+        await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/readyz", 200)
+        url = None
+        assert proc.stderr is not None
+        while url is None:
+            line = await anyio.to_thread.run_sync(proc.stderr.readline)
+            assert line, "bridge exited before saying where NATS listens"
+            if line.startswith(b"{"):
+                entry = json.loads(line)
+                if entry["event"] == "embedded_nats_listening":
+                    url = entry["url"]
+        bus = await BusCollector().start(url)
+        pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), None)
+        try:
+            await anyio.sleep(0.5)
+            pub.publish(HybridWorkload(seed=5).batch(8))
+            await bus.wait_for(lambda b: len(b.groups()) >= 1)
+        finally:
+            pub.close()
+            await bus.close()
+        assert bus.groups()[0].worker == "solo"
+        proc.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=20)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -184,6 +184,7 @@ class NatsSink:
         if batch.seq >= 0:
             metrics.batches_out.inc()
             metrics.lag.observe(max(0.0, time.time() - batch.vllm_ts))
+            metrics.last_seq.labels(str(batch.dp_rank)).set(batch.seq)
         metrics.queue_depth.set(len(self._queue))
 
     # -- shutdown --------------------------------------------------------

@@ -22,6 +22,7 @@ class OutBatch(msgspec.Struct, gc=False):
     seq: int  # -1 for records not tied to a vLLM batch
     vllm_ts: float
     messages: list[Outgoing]
+    dp_rank: int = 0
 
 
 class LostRange(msgspec.Struct, gc=False):
@@ -34,9 +35,14 @@ class LostRange(msgspec.Struct, gc=False):
 GapMaker = Callable[[LostRange], OutBatch]
 
 
+def _ignore() -> None:
+    return None
+
+
 class BatchQueue:
-    def __init__(self, max_batches: int, make_gap: GapMaker) -> None:
+    def __init__(self, max_batches: int, make_gap: GapMaker, on_drop: Callable[[], None] = _ignore) -> None:
         self._max = max_batches
+        self._on_drop = on_drop
         self._items: deque[OutBatch] = deque()
         self._lost: dict[tuple[int, int], LostRange] = {}
         self._make_gap = make_gap
@@ -61,6 +67,7 @@ class BatchQueue:
         old = self._items[index]
         del self._items[index]
         self.dropped += 1
+        self._on_drop()
         key = (old.stream, old.epoch)
         lost = self._lost.get(key)
         if lost is None:
