@@ -9,6 +9,7 @@ from typing import TextIO
 import anyio
 import msgspec
 import nats
+from nats.aio.msg import Msg
 import structlog
 
 from bridge.config import Settings
@@ -50,7 +51,7 @@ async def run_demo(settings: Settings, batches: int, interval: float, events_per
         decode_group = msgspec.msgpack.Decoder(GroupMessage) if settings.format == "msgpack" else msgspec.json.Decoder(GroupMessage)
         decode_record = msgspec.msgpack.Decoder(WorkerRecord) if settings.format == "msgpack" else msgspec.json.Decoder(WorkerRecord)
 
-        async def show(msg: nats.aio.msg.Msg) -> None:
+        async def show(msg: Msg) -> None:
             if msg.subject.endswith(".worker"):
                 line = render_record(decode_record.decode(msg.data))
             else:

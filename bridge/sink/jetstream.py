@@ -7,6 +7,8 @@ subject) and resumes from there through vLLM's replay socket.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 import nats.js
 import nats.js.api
@@ -17,6 +19,8 @@ from bridge.config import Settings
 from bridge.contract import HDR_FORMAT, GroupMessage, WorkerRecord
 
 log = structlog.get_logger("bridge.jetstream")
+
+T = TypeVar("T")
 
 
 class ResumePoint(msgspec.Struct, frozen=True):
@@ -78,18 +82,16 @@ async def last_point(js: nats.js.JetStreamContext, stream: str, subject_base: st
     if raw.data is None:
         return None
     fmt = (raw.headers or {}).get(HDR_FORMAT, "msgpack")
-    body: GroupMessage | WorkerRecord
     try:
-        if raw.subject.endswith(".worker"):
-            body = _decode(fmt, WorkerRecord, raw.data)
-            seq = body.seq if body.seq is not None else -1
-            return ResumePoint(body.epoch, seq, body.batch_ts)
-        body = _decode(fmt, GroupMessage, raw.data)
-        return ResumePoint(body.epoch, body.seq, body.ts)
+        if (raw.subject or "").endswith(".worker"):
+            record: WorkerRecord = _decode(fmt, WorkerRecord, raw.data)
+            return ResumePoint(record.epoch, -1 if record.seq is None else record.seq, record.batch_ts)
+        group: GroupMessage = _decode(fmt, GroupMessage, raw.data)
+        return ResumePoint(group.epoch, group.seq, group.ts)
     except msgspec.DecodeError as exc:
         log.warning("resume_point_unreadable", subject=raw.subject, error=str(exc)[:200])
         return None
 
 
-def _decode(fmt: str, type_: type, data: bytes):  # type: ignore[no-untyped-def]
+def _decode(fmt: str, type_: type[T], data: bytes) -> T:
     return msgspec.json.decode(data, type=type_) if fmt == "json" else msgspec.msgpack.decode(data, type=type_)
