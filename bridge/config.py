@@ -62,6 +62,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
     Option("--zmq-rcvhwm", "int", 100000, "ZMQ SUB receive high-water mark (messages)."),
     Option("--replay-timeout", "float", 2.0, "Seconds to wait for a replay answer."),
+    Option("--idle-probe-interval", "float", 2.0, "While a publisher is quiet, ask its replay socket this often for batches lost at the tail (0: never)."),
     Option("--http-host", "str", "0.0.0.0", "Address for /metrics, /healthz, /readyz."),
     Option("--http-port", "int", 9400, "Port for /metrics, /healthz, /readyz (0: any free port)."),
     Option("--log-format", "choice", "json", "Log line format.", ("json", "console")),
@@ -105,6 +106,7 @@ class Settings(msgspec.Struct, frozen=True):
     max_buffered_batches: int
     zmq_rcvhwm: int
     replay_timeout: float
+    idle_probe_interval: float
     http_host: str
     http_port: int
     log_format: str
@@ -251,6 +253,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     check(values["max_frame_bytes"] >= 1024, "--max-frame-bytes", "must be at least 1024")
     check(values["max_buffered_batches"] >= 1, "--max-buffered-batches", "must be at least 1")
     check(values["replay_timeout"] > 0, "--replay-timeout", "must be positive")
+    check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
     check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
     check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")
     check(values["js_max_pending"] >= 1, "--js-max-pending", "must be at least 1")

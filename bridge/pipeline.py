@@ -55,6 +55,7 @@ class StreamPipeline:
         max_frame_bytes: int,
         rcvhwm: int,
         replay_timeout: float,
+        idle_probe_s: float,
         ctx: zmq.Context[zmq.Socket[bytes]],
         queue: BatchQueue,
         encoder: MessageEncoder,
@@ -89,6 +90,10 @@ class StreamPipeline:
         # live batch shows whether vLLM is still the same process.
         self._resume: ResumePoint | None = None
         self._unverified = False
+        # Healing and idle probes both read replay and emit; one at a time.
+        self._replay_lock = anyio.Lock()
+        self._idle_probe_s = idle_probe_s
+        self._last_live = time.monotonic()
 
     # -- records ---------------------------------------------------------
 
@@ -188,11 +193,30 @@ class StreamPipeline:
             await self._verify_resume(self._resume)
         on_subscribed()
         try:
-            async for messages in sub.batches():
-                for parts in messages:
-                    await self._on_live(parts)
+            async with anyio.create_task_group() as tg:
+                if self._replay is not None and self._idle_probe_s > 0:
+                    tg.start_soon(self._probe_when_idle)
+                async for messages in sub.batches():
+                    self._last_live = time.monotonic()
+                    for parts in messages:
+                        await self._on_live(parts)
         finally:
             sub.close()
+
+    async def _probe_when_idle(self) -> None:
+        """A PUB stream cannot show that its last batches were lost until
+        another batch comes. While the stream is quiet, ask replay now and then
+        for anything after the last seq: it heals a lost tail (and batches sent
+        before the SUB connected) without waiting for the next batch."""
+        assert self._replay is not None
+        while True:
+            await anyio.sleep(self._idle_probe_s)
+            if time.monotonic() - self._last_live < self._idle_probe_s:
+                continue
+            async with self._replay_lock:
+                result = await self._replay.fetch(self.tracker.next_wanted())
+                self._metrics.replays.labels("probe" if result.complete else "timeout").inc()
+                self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=None)
 
     async def _on_live(self, parts: list[bytes]) -> None:
         try:
@@ -235,6 +259,13 @@ class StreamPipeline:
         self._queue.put(self.record("restart", seq=seq))
 
     async def _heal(self, live: Frame) -> None:
+        async with self._replay_lock:
+            if self.tracker.wants(live.seq):
+                await self._heal_locked(live)
+            else:
+                self._metrics.dropped.labels("duplicate").inc()
+
+    async def _heal_locked(self, live: Frame) -> None:
         """Fetch what the live stream skipped; announce what replay cannot give."""
         want = self.tracker.next_wanted()
         if self._replay is None:

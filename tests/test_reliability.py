@@ -22,6 +22,8 @@ def batch(i: int, group: int = 0) -> bytes:
 
 
 async def _bridge_and_bus(nats_server: NatsServerProcess, pub_ep: str, replay_ep: str | None, **kw: object):
+    # Idle probes off unless a test wants them: these tests count replays exactly.
+    kw.setdefault("idle_probe_interval", "0")
     settings = make_settings(
         zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep] if replay_ep else None, nats_url=[nats_server.url], **kw
     )
@@ -168,4 +170,24 @@ async def test_malformed_frames_among_good_traffic(nats_server: NatsServerProces
     assert bus.seqs() == [0, 1, 3, 4]
     mixed = [g for g in bus.groups() if g.seq == 3][0]
     assert mixed.events[0].block_hashes == [b"g" * 32]
+    assert bus.records("gap") == []
+
+
+async def test_a_lost_tail_is_healed_while_the_publisher_is_quiet(nats_server: NatsServerProcess) -> None:
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, idle_probe_interval="0.3")
+    try:
+        async with running_bridge(settings) as bridge:
+            for i in range(5):
+                pub.publish(batch(i))
+            # the last two batches are lost and nothing follows them
+            pub.publish(batch(5), drop=True)
+            pub.publish(batch(6), drop=True)
+            await bus.wait_for(lambda b: len(b.seqs()) == 7, timeout=10)
+            assert metric(bridge, "kvbridge_replays_total", result="probe") >= 1
+    finally:
+        pub.close()
+        await bus.close()
+    assert bus.seqs() == list(range(7))
     assert bus.records("gap") == []
