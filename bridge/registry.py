@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Final, Literal, NoReturn
+from typing import Any, Final, Literal
 
 import anyio
 import msgspec
@@ -96,6 +96,12 @@ def decode_entry(data: bytes) -> WorkerEntry:
     return _decode(data)
 
 
+def ttl_for(heartbeat_interval: float) -> float:
+    """A bucket TTL for an interval: long enough that `watch` shows a dead worker
+    as dead for a while before its entry vanishes."""
+    return max(60.0, 12 * heartbeat_interval)
+
+
 def liveness(entry: WorkerEntry, now: float | None = None, dead_after: float = DEFAULT_DEAD_AFTER) -> Liveness:
     if entry.state == "stopped":
         return "stopped"
@@ -112,6 +118,9 @@ class WorkerRegistry:
         self.bucket = bucket
         self.ttl = ttl
         self._kv: KeyValue | None = None
+        # Serialises puts, so a beat in flight cannot land after `stopped`.
+        self._lock = anyio.Lock()
+        self._stopped = False
 
     async def open(self) -> KeyValue:
         if self._kv is None:
@@ -133,19 +142,25 @@ class WorkerRegistry:
         fresh = msgspec.structs.replace(entry, heartbeat_ts=time.time())
         return await kv.put(registry_key(entry.worker), encode_entry(fresh))
 
-    async def heartbeat(self, snapshot: Callable[[], WorkerEntry], interval: float) -> NoReturn:
-        """Puts `snapshot()` every `interval` seconds until cancelled."""
+    async def heartbeat(self, snapshot: Callable[[], WorkerEntry], interval: float) -> None:
+        """Puts `snapshot()` every `interval` seconds until cancelled or `stopped`."""
         while True:
-            try:
-                await self.put(snapshot())
-            except Exception as exc:  # NATS away or JetStream busy: the next beat tries again
-                log.warning("registry_put_failed", bucket=self.bucket, error=type(exc).__name__, detail=str(exc)[:200])
-                self._kv = None
+            async with self._lock:
+                if self._stopped:
+                    return
+                try:
+                    await self.put(snapshot())
+                except Exception as exc:  # NATS away or JetStream busy: the next beat tries again
+                    log.warning("registry_put_failed", bucket=self.bucket, error=type(exc).__name__,
+                                detail=str(exc)[:200])
+                    self._kv = None
             await anyio.sleep(interval)
 
     async def stopped(self, entry: WorkerEntry) -> None:
-        """The last word on exit: readers show `stopped`, not `dead`."""
-        await self.put(msgspec.structs.replace(entry, state="stopped"))
+        """The last word on exit: readers show `stopped`, not `dead`. Ends the heartbeat."""
+        async with self._lock:
+            self._stopped = True
+            await self.put(msgspec.structs.replace(entry, state="stopped"))
 
 
 class _RankSeen:

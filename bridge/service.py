@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from contextlib import ExitStack
 
 import anyio
@@ -21,7 +22,8 @@ from bridge.pipeline import StreamPipeline, StreamPlan
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.jetstream import ensure_stream, last_point
 from bridge.sink.publisher import NatsSink
-from bridge.sink.queue import BatchQueue, LostRange, OutBatch
+from bridge.registry import CatalogQueue, GroupCatalog, WorkerEntry, WorkerRegistry, ttl_for
+from bridge.sink.queue import LostRange, OutBatch
 
 log = structlog.get_logger("bridge.service")
 
@@ -37,12 +39,39 @@ class Bridge:
         self.metrics.info.labels(__version__, settings.worker_id).set(1)
         self.http_port: int | None = None
         self._pipelines: list[StreamPipeline] = []
-        self.queue = BatchQueue(
-            settings.max_buffered_batches, self._gap_batch, self.metrics.dropped.labels("queue_overflow").inc
+        self.catalog = GroupCatalog()
+        self.started_at = time.time()
+        self._registry: WorkerRegistry | None = None
+        self.queue = CatalogQueue(
+            self.catalog, settings.max_buffered_batches, self._gap_batch,
+            self.metrics.dropped.labels("queue_overflow").inc,
         )
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health)
         self._subscribed = 0
         self.ready = anyio.Event()
+
+    def registry_entry(self) -> WorkerEntry:
+        s = self.settings
+        return self.catalog.entry(
+            worker=s.worker_id, topic=s.topic, subject_prefix=s.subject_prefix,
+            ranks=[rank for rank, _, _ in s.stream_endpoints()], started_at=self.started_at,
+            heartbeat_interval=s.heartbeat_interval,
+        )
+
+    async def _start_registry(self, tg: anyio.abc.TaskGroup) -> None:
+        """The worker's registry entry and heartbeat, where the server has
+        JetStream; without it the bus still works and one warning says why."""
+        s = self.settings
+        if not s.registry_bucket or self.sink.nc is None:
+            return
+        js = self.sink.js or self.sink.nc.jetstream()
+        try:
+            await js.account_info()
+        except Exception as exc:  # no JetStream on this server or account
+            log.warning("registry_unavailable", bucket=s.registry_bucket, error=type(exc).__name__)
+            return
+        self._registry = WorkerRegistry(js, s.registry_bucket, ttl_for(s.heartbeat_interval))
+        tg.start_soon(self._registry.heartbeat, self.registry_entry, s.heartbeat_interval)
 
     def _gap_batch(self, lost: LostRange) -> OutBatch:
         return self._pipelines[lost.stream].gap_batch(lost)
@@ -88,7 +117,7 @@ class Bridge:
                     else:
                         for pipeline in self._pipelines:
                             readers.start_soon(pipeline.run, self._on_subscribed)
-                        tg.start_soon(self._connect_and_publish)
+                        tg.start_soon(self._connect_and_publish, tg)
                     await stop.wait()
                     log.info("bridge_stopping", queued=len(self.queue))
                     readers.cancel_scope.cancel()
@@ -98,6 +127,9 @@ class Bridge:
                     await self.sink.flush()
                 if scope.cancelled_caught:
                     log.warning("drain_timeout", left=len(self.queue))
+                if self._registry is not None:
+                    with anyio.move_on_after(2.0):
+                        await self._registry.stopped(self.registry_entry())
                 with anyio.move_on_after(max(1.0, s.drain_timeout / 2)):
                     await self.sink.close()
                 tg.cancel_scope.cancel()
@@ -106,8 +138,9 @@ class Bridge:
         log.info("bridge_stopped", published_batches=self.sink.published_batches, left=len(self.queue))
         return 0
 
-    async def _connect_and_publish(self) -> None:
+    async def _connect_and_publish(self, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
+        await self._start_registry(tg)
         await self.sink.run()
 
     async def _resume_then_read(self, readers: anyio.abc.TaskGroup, tg: anyio.abc.TaskGroup) -> None:
@@ -118,6 +151,7 @@ class Bridge:
             point = await last_point(self.sink.js, self.settings.stream_name, pipeline.subjects.base)
             if point is not None:
                 pipeline.resume(point)
+        await self._start_registry(tg)
         tg.start_soon(self.sink.run)
         for pipeline in self._pipelines:
             readers.start_soon(pipeline.run, self._on_subscribed)

@@ -3,22 +3,17 @@ hybrid-aware residency index, ask it where a request's prefix is cached.
 
 ::
 
-    import anyio
-    from bridge.client import BusConnection, BusSubscriber, ResidencyIndex, access_settings
+    conn = BusConnection()
+    await conn.open(settings_for("nats://127.0.0.1:4222"), "my-router")
+    index = ResidencyIndex()
+    async with BusSubscriber(conn, "kv.>") as sub:
+        async for item in sub:
+            index.apply(item)   # and index.longest_prefix(chain) when a request comes
 
-    async def main(settings):
-        conn = BusConnection()
-        await conn.open(settings, "my-router")
-        index = ResidencyIndex()
-        async with BusSubscriber(conn, "kv.>") as sub:
-            async for item in sub:
-                index.apply(item)
-                ...  # index.longest_prefix(chain) whenever a request comes
-
-docs/consumers.md describes the semantics in full.
+docs/consumers.md has a complete example and the semantics in full.
 """
 
-from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments
+from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments, settings_for
 from bridge.client.codec import BusCodec, BusDecodeError
 from bridge.client.hashes import as_int, lookup_keys
 from bridge.client.index import ResidencyIndex
@@ -55,5 +50,6 @@ __all__ = [
     "liveness",
     "lookup_keys",
     "parse_since",
+    "settings_for",
     "window_blocks",
 ]

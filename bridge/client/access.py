@@ -57,6 +57,16 @@ def access_settings(args: argparse.Namespace, environ: Mapping[str, str] | None 
     return settings
 
 
+def settings_for(*urls: str, environ: Mapping[str, str] | None = None, **options: str) -> Settings:
+    """Settings for API users: server URLs plus any access option by its
+    settings name (`nats_creds_file=...`, `subject_prefix=...`); variables
+    (`KVB_NATS_TOKEN`, ...) fill the rest, as for the CLI."""
+    unknown = set(options) - _ACCESS_DESTS
+    if unknown:
+        raise TypeError(f"not NATS access options: {', '.join(sorted(unknown))}")
+    return access_settings(argparse.Namespace(nats_url=list(urls) or None, **options), environ)
+
+
 class BusConnection:
     """One NATS connection plus what a consumer must know about its health:
     a disconnect means core subscribers missed whatever was published meanwhile,
@@ -87,7 +97,8 @@ class BusConnection:
             with anyio.fail_after(timeout):
                 self.nc = await nats.connect(**opts)
         except TimeoutError:
-            raise ConnectionError(f"no NATS server answered at {', '.join(settings.nats_url)} within {timeout:g}s") from None
+            servers = ", ".join(settings.nats_url)
+            raise ConnectionError(f"no NATS server answered at {servers} within {timeout:g}s") from None
         return self.nc
 
     async def close(self) -> None:
@@ -100,4 +111,4 @@ class BusConnection:
             await self.nc.close()
 
 
-__all__ = ["DEFAULT_URL", "BusConnection", "ConfigError", "access_settings", "add_access_arguments"]
+__all__ = ["DEFAULT_URL", "BusConnection", "ConfigError", "access_settings", "add_access_arguments", "settings_for"]

@@ -7,7 +7,7 @@ with a map marker and JSON with `{`, a byte msgpack never uses for a map.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -26,11 +26,11 @@ class BusCodec:
     """Decoders made once; one instance serves any number of messages."""
 
     def __init__(self) -> None:
-        self._group = {
+        self._group: dict[str, Any] = {
             "msgpack": msgspec.msgpack.Decoder(GroupMessage),
             "json": msgspec.json.Decoder(GroupMessage),
         }
-        self._record = {
+        self._record: dict[str, Any] = {
             "msgpack": msgspec.msgpack.Decoder(WorkerRecord),
             "json": msgspec.json.Decoder(WorkerRecord),
         }
@@ -54,6 +54,7 @@ class BusCodec:
         fmt = self.format_of(data, headers)
         table = self._record if self.is_record(subject, headers) else self._group
         try:
-            return table[fmt].decode(data)
+            body: Body = table[fmt].decode(data)
+            return body
         except msgspec.DecodeError as exc:
             raise BusDecodeError(f"{subject}: {fmt} payload is not a contract struct: {exc}") from None

@@ -19,8 +19,9 @@ Semantics (docs/consumers.md has the long form):
   group structure stays.
 - `restart`, `start` that is not `resumed`, or a message of a newer epoch
   without a record: a new vLLM process or an unknown past: everything for that
-  worker and rank goes, groups included. `start` with reason `resumed` keeps
-  the view (the bridge continued the same stream).
+  worker and rank goes, groups included (those declared from the worker
+  registry come back empty). `start` with reason `resumed` keeps the view (the
+  bridge continued the same stream).
 - `stop`: the bridge stopped watching: the view is kept but skipped by queries
   until traffic or a `start` comes back.
 - Records and messages of an older epoch than the view's are ignored (counted).
@@ -103,7 +104,9 @@ class ResidencyIndex:
 
     # -- feeding ---------------------------------------------------------
 
-    def apply(self, item: BusMessage | Interruption | GroupMessage | WorkerRecord, received: float | None = None) -> None:
+    def apply(
+        self, item: BusMessage | Interruption | GroupMessage | WorkerRecord, received: float | None = None
+    ) -> None:
         if type(item) is BusMessage:
             received, body = item.received, item.body
         elif type(item) is Interruption:

@@ -86,7 +86,7 @@ def match_view(
         constrained = True
         held = _held(g.tables(media, include_suspect), keys)
         allowed, limits[group] = _group_limit(g, held)
-        feasible = [a and b for a, b in zip(feasible, allowed)]
+        feasible = [a and b for a, b in zip(feasible, allowed, strict=True)]
     blocks = max(p for p in range(n + 1) if feasible[p]) if constrained else 0
     return PrefixMatch(view.key.worker, view.key.dp_rank, blocks, view.stale, limits)
 

@@ -92,7 +92,7 @@ class RegistryFollower:
                     continue
                 self._apply(update.key, update.value, update.operation)
         finally:
-            await watcher.stop()
+            await watcher.stop()  # type: ignore[no-untyped-call]
 
     def _apply(self, key: str, value: bytes | None, operation: str | None) -> None:
         if operation in _DELETES:

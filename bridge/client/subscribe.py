@@ -58,9 +58,11 @@ def parse_since(text: str, now: float | None = None) -> StartAt:
     try:
         when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"--since {text!r}: expected all, a stream sequence, an age like 10m, or an ISO time") from None
+        raise ValueError(
+            f"--since {text!r}: expected all, a stream sequence, an age like 10m, or an ISO time"
+        ) from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
+        when = when.replace(tzinfo=dt.UTC)
     return StartAt("time", time=when.timestamp())
 
 
@@ -90,7 +92,7 @@ def consumer_config(start: StartAt) -> api.ConsumerConfig:
     if start.policy == "seq":
         return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start.seq)
     if start.policy == "time":
-        when = dt.datetime.fromtimestamp(start.time, tz=dt.timezone.utc)
+        when = dt.datetime.fromtimestamp(start.time, tz=dt.UTC)
         return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=when)
     return api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
 
@@ -152,7 +154,9 @@ class BusSubscriber:
         await self.start()
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.stop()
 
     def __aiter__(self) -> AsyncIterator[BusItem]:

@@ -10,5 +10,6 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 REGISTRARS: list[Registrar] = []
 
 from bridge.tools import tail, watch  # noqa: E402  (tool modules come after REGISTRARS exists)
+
 REGISTRARS.append(tail.register)
 REGISTRARS.append(watch.register)

@@ -161,8 +161,8 @@ def build_table(index: ResidencyIndex, follower: RegistryFollower | None, rates:
         for entry in follower.entries.values():
             keys.update(WorkerKey(entry.worker, r.dp_rank) for r in entry.ranks)
     families: dict[int, set[str]] = {}
-    for view in index:
-        for group, g in view.groups.items():
+    for seen in index:
+        for group, g in seen.groups.items():
             families.setdefault(group, set()).add(g.family)
     registry = "off" if follower is None else ("on" if follower.available else "absent")
     table = Table(
@@ -170,8 +170,9 @@ def build_table(index: ResidencyIndex, follower: RegistryFollower | None, rates:
               f"{time.strftime('%H:%M:%S', time.localtime(now))}",
         title_justify="left", expand=False,
     )
+    numeric = ("rank", "seq", "gaps", "restarts")
     for name in ("worker", "rank", "live", "seq", "lag", "gaps", "restarts"):
-        table.add_column(name, no_wrap=name != "worker", justify="right" if name in ("rank", "seq", "gaps", "restarts") else "left")
+        table.add_column(name, no_wrap=name != "worker", justify="right" if name in numeric else "left")
     groups = sorted(families)
     for group in groups:
         fams = families[group]
