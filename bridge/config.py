@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
@@ -134,13 +136,15 @@ class Settings(msgspec.Struct, frozen=True):
     nats_tls_key: str
 
     def __repr__(self) -> str:  # secrets must never reach a log line through repr
-        return f"Settings(worker_id={self.worker_id!r}, nats_url={self.nats_url!r}, ...)"
+        return f"Settings(worker_id={self.worker_id!r}, nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
 
     def redacted(self) -> dict[str, Any]:
-        """What is safe to log: secrets shown only as set or not."""
+        """What is safe to log: secrets shown only as set or not, and no
+        user:password@ or token@ inside a NATS URL."""
         out = msgspec.structs.asdict(self)
         for key in ("nats_password", "nats_token"):
             out[key] = "<set>" if out[key] else ""
+        out["nats_url"] = [redact_url(u) for u in self.nats_url]
         return out
 
     def stream_endpoints(self) -> list[tuple[int, str, str | None]]:
@@ -151,6 +155,86 @@ class Settings(msgspec.Struct, frozen=True):
             for rank in range(self.dp_ranks):
                 out.append((rank, offset_port(endpoint, rank), offset_port(replay, rank) if replay else None))
         return out
+
+
+def redact_url(url: str) -> str:
+    """`nats://user:secret@host:4222` → `nats://user:<redacted>@host:4222`;
+    `nats://token@host` → `nats://<redacted>@host`."""
+    if "@" not in url:
+        return url
+    try:
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+    except ValueError:
+        return "<redacted url>"
+    host = parts.netloc.rpartition("@")[2]
+    user = "<redacted>" if parts.password is None else f"{parts.username}:<redacted>"
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
+_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _check_nats_security(values: dict[str, Any], check: Callable[[bool, str, str], None]) -> None:
+    """Secrets, keys and certificates are read once here so that a bad one is a
+    configuration error naming its option, not a retry loop or a crash later.
+    Problems are described without quoting the files' contents."""
+    for url in values["nats_url"]:
+        if "://" in url:
+            check(url.split("://", 1)[0] in _NATS_SCHEMES, "--nats-url",
+                  f"{redact_url(url)!r}: scheme must be one of {', '.join(_NATS_SCHEMES)}")
+    for flag in ("--nats-password-file", "--nats-token-file"):
+        path = values[flag.lstrip("-").replace("-", "_")]
+        if path:
+            check(_read(path).strip() != "", flag, f"{path} is empty")
+    if values["nats_nkey_seed_file"]:
+        check(_valid_seed(_read(values["nats_nkey_seed_file"]).strip()), "--nats-nkey-seed-file",
+              f"{values['nats_nkey_seed_file']} holds no valid NKey seed")
+    creds = values["nats_creds_file"]
+    if creds:
+        text = _read(creds)
+        seed = _between(text, "BEGIN USER NKEY SEED", "END USER NKEY SEED")
+        check("BEGIN NATS USER JWT" in text and _valid_seed(seed), "--nats-creds-file",
+              f"{creds} is not a NATS .creds file (a user JWT and a user NKey seed)")
+    if values["nats_tls_ca"]:
+        try:
+            ssl.create_default_context(cafile=values["nats_tls_ca"])
+        except (ssl.SSLError, ValueError, OSError) as exc:
+            check(False, "--nats-tls-ca", f"{values['nats_tls_ca']}: not a usable CA bundle ({type(exc).__name__})")
+    if values["nats_tls_cert"] and values["nats_tls_key"]:
+        try:
+            ssl.create_default_context().load_cert_chain(values["nats_tls_cert"], values["nats_tls_key"])
+        except (ssl.SSLError, ValueError, OSError) as exc:
+            check(False, "--nats-tls-cert",
+                  f"{values['nats_tls_cert']} and --nats-tls-key do not load as a certificate and its key "
+                  f"({type(exc).__name__})")
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.read()
+
+
+def _between(text: str, begin: str, end: str) -> str:
+    """The first non-marker line between two .creds markers."""
+    inside = False
+    for line in text.splitlines():
+        if begin in line:
+            inside = True
+        elif end in line:
+            break
+        elif inside and line.strip():
+            return line.strip()
+    return ""
+
+
+def _valid_seed(seed: str) -> bool:
+    import nkeys  # type: ignore[import-untyped]
+
+    try:
+        nkeys.from_seed(bytearray(seed.encode())).wipe()
+    except (nkeys.NkeysError, ValueError, TypeError):
+        return False
+    return True
 
 
 def offset_port(endpoint: str, rank: int) -> str:
@@ -265,6 +349,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
         check(not path or os.path.isfile(path), flag, f"no such file: {path}")
     check(bool(values["nats_tls_cert"]) == bool(values["nats_tls_key"]), "--nats-tls-cert",
           "client certificate and key go together")
+    _check_nats_security(values, check)
     return msgspec.convert(values, Settings)
 
 

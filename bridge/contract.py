@@ -52,6 +52,10 @@ class GroupMessage(msgspec.Struct, gc=False):
     part: int = 0
     # When the bridge received the batch (its clock), for lag.
     bridge_ts: float = 0.0
+    # A slice over the NATS server's max_payload goes as `chunks` messages,
+    # events split in order; `chunk` numbers them from 0.
+    chunk: int = 0
+    chunks: int = 1
 
 
 class WorkerRecord(msgspec.Struct, gc=False, omit_defaults=True):

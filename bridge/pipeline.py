@@ -7,13 +7,15 @@ import time
 from collections.abc import Callable
 
 import anyio
+import msgspec
 import anyio.abc
 import structlog
 import zmq
 
 from bridge import __version__
-from bridge.contract import SCHEMA_VERSION, GroupMessage, RecordType, WorkerRecord
+from bridge.contract import HDR_MSG_ID, SCHEMA_VERSION, GroupEvent, GroupMessage, RecordType, WorkerRecord
 from bridge.decode.decoder import BatchDecodeError, BatchDecoder
+from bridge.decode.wire import BlockStored
 from bridge.normalize.normalizer import KindBook, NormalizeStats, Normalizer, StreamIdentity
 from bridge.observe.metrics import Metrics
 from bridge.sink.encode import MessageEncoder, Outgoing
@@ -24,6 +26,10 @@ from bridge.source.frames import Frame, FrameError, parse_pub
 from bridge.source.replay import ReplayClient
 from bridge.source.sequencer import SeqTracker, Verdict
 from bridge.source.subscriber import Subscriber
+
+
+# A sink that took no batch for this long is stalled, not slow.
+_STALLED_AFTER_S = 0.5
 
 
 def new_epoch(previous: int = 0) -> int:
@@ -56,6 +62,8 @@ class StreamPipeline:
         rcvhwm: int,
         replay_timeout: float,
         idle_probe_s: float,
+        max_payload: Callable[[], int],
+        nats_up: Callable[[], bool],
         ctx: zmq.Context[zmq.Socket[bytes]],
         queue: BatchQueue,
         encoder: MessageEncoder,
@@ -93,6 +101,10 @@ class StreamPipeline:
         # Healing and idle probes both read replay and emit; one at a time.
         self._replay_lock = anyio.Lock()
         self._idle_probe_s = idle_probe_s
+        self._max_payload = max_payload
+        self._nats_up = nats_up
+        # (seq, Nats-Msg-Id): the batch the stream holds only in part, and its last stored message.
+        self._resume_partial: tuple[int, str] | None = None
         self._last_live = time.monotonic()
 
     # -- records ---------------------------------------------------------
@@ -132,41 +144,49 @@ class StreamPipeline:
     # -- resume (JetStream) ----------------------------------------------
 
     def resume(self, point: ResumePoint) -> None:
-        """Continue the stream's epoch after the last batch it holds."""
+        """Continue the stream's epoch after the last batch it wholly holds."""
         self.ident.epoch = point.epoch
-        self.tracker.last_emitted = point.seq
-        self._last_ts = point.ts
+        self.tracker.last_emitted = point.done_through
+        self._last_ts = point.check_ts
         self._resume = point
-        self._log.info("resuming", epoch=point.epoch, seq=point.seq)
+        if point.partial_msg_id is not None:
+            self._resume_partial = (point.done_through + 1, point.partial_msg_id)
+        self._log.info("resuming", epoch=point.epoch, done_through=point.done_through,
+                       partial=point.partial_msg_id is not None)
 
     async def _verify_resume(self, point: ResumePoint) -> None:
-        """Same vLLM process as before the bridge stopped? Replay from the last
-        seq the stream holds: the same seq with the same timestamp (or any later
-        batch with a later one) means yes; anything else is a new process."""
+        """Same vLLM process as before the bridge stopped? Replay from the batch
+        whose timestamp the stream knows: the same seq with the same timestamp
+        (or, if it is no longer buffered, a later batch with a later one) means
+        yes; anything else is a new process. Without such a batch there is no
+        evidence, and what replay holds after `done_through` is taken as ours."""
         if self._replay is None:
             self._unverified = True
             return
-        result = await self._replay.fetch(max(point.seq, 0))
+        checking = point.check_seq is not None and point.check_ts is not None
+        start = point.check_seq if checking else point.done_through + 1
+        result = await self._replay.fetch(max(start or 0, 0))
         self._metrics.replays.labels("complete" if result.complete else "timeout").inc()
         frames = sorted(result.frames, key=lambda f: f.seq)
         if not frames:
-            if result.complete:
-                await self._restart_and_replay()
-            else:
+            if not result.complete:
                 self._unverified = True
+            elif checking:
+                await self._restart_and_replay()
             return
-        first = frames[0]
-        first_ts = self._peek_ts(first)
-        if point.ts is None:
-            continued = first.seq >= point.seq
-        elif first.seq == point.seq:
-            continued = first_ts == point.ts
-        else:
-            continued = first_ts is not None and first_ts >= point.ts and first.seq > point.seq
+        continued = True
+        if checking:
+            first_ts = self._peek_ts(frames[0])
+            if frames[0].seq == point.check_seq:
+                continued = first_ts == point.check_ts
+            else:
+                continued = first_ts is not None and first_ts >= point.check_ts  # type: ignore[operator]
         if not continued:
+            self._resume_partial = None
             await self._restart_and_replay()
             return
-        self._log.info("resume_verified", epoch=self.ident.epoch, seq=point.seq, replayed=len(frames))
+        self._log.info("resume_verified", epoch=self.ident.epoch, done_through=point.done_through,
+                       replayed=len(frames))
         self._emit_replayed(frames, until=None)
 
     def _peek_ts(self, frame: Frame) -> float | None:
@@ -188,7 +208,7 @@ class StreamPipeline:
         sub = Subscriber(self._ctx, self.plan.endpoint, self._topic, self._rcvhwm)
         self._log.info("zmq_subscribed", replay=self.plan.replay_endpoint, topic=self._topic)
         self._queue.put(self.record("start", reason="fresh" if self._resume is None else "resumed",
-                                    seq=None if self._resume is None else self._resume.seq))
+                                    seq=None if self._resume is None else self._resume.done_through))
         if self._resume is not None:
             await self._verify_resume(self._resume)
         on_subscribed()
@@ -200,8 +220,20 @@ class StreamPipeline:
                     self._last_live = time.monotonic()
                     for parts in messages:
                         await self._on_live(parts)
+                        if self._queue.full():
+                            await self._backpressure()
         finally:
             sub.close()
+
+    async def _backpressure(self) -> None:
+        """A full queue while NATS is up means a burst, not an outage: wait for
+        the sink (ZMQ buffers meanwhile, and replay heals what its high-water
+        mark drops) instead of shedding batches NATS would take. While NATS is
+        away or stalled (no batch taken for a while: a frozen server keeps its
+        TCP connection) the queue's drop-oldest policy bounds memory instead."""
+        queue = self._queue
+        while queue.full() and self._nats_up() and queue.progressing(_STALLED_AFTER_S):
+            await queue.wait_for_room(0.1)
 
     async def _probe_when_idle(self) -> None:
         """A PUB stream cannot show that its last batches were lost until
@@ -225,7 +257,7 @@ class StreamPipeline:
             self._bad_frame(exc)
             return
         if self._topic_bytes and frame.topic != self._topic_bytes:
-            self._metrics.dropped.labels("foreign_topic").inc()
+            self._metrics.dropped_by["foreign_topic"].inc()
             return
         if self._unverified:
             # Resumed without a replay answer: a continuing process is already
@@ -239,7 +271,7 @@ class StreamPipeline:
         if verdict is Verdict.ACCEPT:
             self._emit(frame)
         elif verdict is Verdict.DUPLICATE:
-            self._metrics.dropped.labels("duplicate").inc()
+            self._metrics.dropped_by["duplicate"].inc()
         elif verdict is Verdict.GAP:
             await self._heal(frame)
         else:
@@ -254,6 +286,7 @@ class StreamPipeline:
         self.ident.epoch = new_epoch(self.ident.epoch)
         self._normalizer.kinds.forget()
         self.tracker.restart()
+        self._resume_partial = None
         self._metrics.restarts.inc()
         self._log.warning("publisher_restart", previous_seq=previous, seq=seq, epoch=self.ident.epoch)
         self._queue.put(self.record("restart", seq=seq))
@@ -263,7 +296,7 @@ class StreamPipeline:
             if self.tracker.wants(live.seq):
                 await self._heal_locked(live)
             else:
-                self._metrics.dropped.labels("duplicate").inc()
+                self._metrics.dropped_by["duplicate"].inc()
 
     async def _heal_locked(self, live: Frame) -> None:
         """Fetch what the live stream skipped; announce what replay cannot give."""
@@ -313,20 +346,90 @@ class StreamPipeline:
         stats = NormalizeStats()
         items = self._normalizer.normalize(self.ident, frame.seq, batch.ts, batch.events, time.time(), stats)
         for reason, n in stats.dropped.items():
-            metrics.dropped.labels(reason).inc(n)
+            metrics.dropped_by[reason].inc(n)
         for what, n in stats.transformed.items():
-            metrics.transformed.labels(what).inc(n)
+            metrics.transformed_by[what].inc(n)
         msg_id_base = f"{self._token}:{self.ident.dp_rank}:{self.ident.epoch}"
         out: list[Outgoing] = []
         clears = 0
+        unpublishable = False
         for item in items:
             if type(item) is GroupMessage:
-                out.append(self._encoder.group(item, self.subjects, msg_id_base))
+                encoded = self._encode_group(item, msg_id_base)
+                if encoded is None:
+                    unpublishable = True
+                else:
+                    out.extend(encoded)
             else:
                 clears += 1
                 msg_id = f"{msg_id_base}:{frame.seq}:worker:cleared{clears}"
                 out.append(self._encoder.record(item, self.subjects, msg_id))  # type: ignore[arg-type]
+        if self._resume_partial is not None and self._resume_partial[0] == frame.seq:
+            out = self._after_last_stored(out, self._resume_partial[1])
+            self._resume_partial = None
         self._queue.put(OutBatch(self.plan.index, self.ident.epoch, frame.seq, batch.ts, out, self.ident.dp_rank))
+        if unpublishable:
+            self._announce_gap(frame.seq, frame.seq, "unpublishable")
+
+    def _encode_group(self, msg: GroupMessage, msg_id_base: str) -> list[Outgoing] | None:
+        """The group's slice as NATS messages: several if it exceeds the
+        server's max_payload (events split in order, `chunk`/`chunks` say so),
+        none (counted, logged, announced as a gap) if it cannot be sent at all."""
+        try:
+            out = self._encoder.group(msg, self.subjects, msg_id_base)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # JSON cannot carry what msgpack can (Ext values, non-string keys)
+            # in vLLM's free-form extra_keys: forward the events without them.
+            for event in msg.events:
+                if type(event) is BlockStored:
+                    event.extra_keys = None
+            self._metrics.transformed_by["extra_keys_dropped"].inc()
+            self._log.warning("extra_keys_dropped", seq=msg.seq, group=msg.group, error=str(exc)[:200])
+            try:
+                out = self._encoder.group(msg, self.subjects, msg_id_base)
+            except (TypeError, ValueError, OverflowError) as exc2:
+                self._metrics.malformed_by["unencodable"].inc()
+                self._log.warning("unencodable", seq=msg.seq, group=msg.group, error=str(exc2)[:200])
+                return None
+        limit = self._max_payload()
+        if len(out.payload) + len(out.head) <= limit:
+            return [out]
+        pieces = self._split_events(msg, msg_id_base, limit)
+        if pieces is None:
+            self._metrics.malformed_by["too_large_for_nats"].inc()
+            self._log.warning("too_large_for_nats", seq=msg.seq, group=msg.group, bytes=len(out.payload),
+                              max_payload=limit)
+            return None
+        self._metrics.transformed_by["split"].inc()
+        return [
+            self._encoder.group(
+                msgspec.structs.replace(msg, events=events, chunk=i, chunks=len(pieces)), self.subjects, msg_id_base
+            )
+            for i, events in enumerate(pieces)
+        ]
+
+    def _split_events(self, msg: GroupMessage, msg_id_base: str, limit: int) -> list[list[GroupEvent]] | None:
+        """Halve the event list until every piece fits; None if one event alone does not."""
+        trial = self._encoder.group(msgspec.structs.replace(msg, chunk=1, chunks=2), self.subjects, msg_id_base)
+        if len(trial.payload) + len(trial.head) <= limit:
+            return [msg.events]
+        if len(msg.events) < 2:
+            return None
+        half = len(msg.events) // 2
+        left = self._split_events(msgspec.structs.replace(msg, events=msg.events[:half]), msg_id_base, limit)
+        right = self._split_events(msgspec.structs.replace(msg, events=msg.events[half:]), msg_id_base, limit)
+        if left is None or right is None:
+            return None
+        return left + right
+
+    @staticmethod
+    def _after_last_stored(out: list[Outgoing], last_id: str) -> list[Outgoing]:
+        """A bridge that died inside a batch: what follows the last message the
+        stream holds is what is still owed."""
+        for i, msg in enumerate(out):
+            if msg.headers.get(HDR_MSG_ID) == last_id:
+                return out[i + 1 :]
+        return out
 
     def _bad_frame(self, exc: FrameError) -> None:
         self._metrics.malformed.labels(exc.reason).inc()

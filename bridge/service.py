@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from contextlib import ExitStack
@@ -49,6 +50,12 @@ class Bridge:
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health)
         self._subscribed = 0
         self.ready = anyio.Event()
+
+    def _max_payload(self) -> int:
+        """The server's limit once connected (its INFO says), NATS's default before."""
+        nc = self.sink.nc
+        limit = nc.max_payload if nc is not None and nc.max_payload else 1024 * 1024
+        return int(limit)
 
     def registry_entry(self) -> WorkerEntry:
         s = self.settings
@@ -99,7 +106,8 @@ class Bridge:
                     StreamPlan(index, rank, endpoint, replay), worker=s.worker_id, topic=s.topic,
                     prefix=s.subject_prefix, pinned_kinds=s.group_kind, keep_placeholders=s.keep_placeholders,
                     max_frame_bytes=s.max_frame_bytes, rcvhwm=s.zmq_rcvhwm, replay_timeout=s.replay_timeout,
-                    idle_probe_s=s.idle_probe_interval,
+                    idle_probe_s=s.idle_probe_interval, max_payload=self._max_payload,
+                    nats_up=lambda: self.health.nats_connected,
                     ctx=ctx, queue=self.queue, encoder=encoder, metrics=self.metrics,
                 )
             )
@@ -173,4 +181,9 @@ def run_bridge(settings: Settings) -> int:
             log.info("embedded_nats_listening", url=server.url,
                      hint=f"watch with: kv-bridge tail --nats-url {server.url}")
             settings = msgspec.structs.replace(settings, nats_url=[server.url])
+        # Everything alive now (modules, settings, logging) lives as long as the
+        # process: move it out of the cyclic GC's generations, so the collections
+        # that decoding's short-lived lists trigger stop re-scanning it.
+        gc.collect()
+        gc.freeze()
         return anyio.run(lambda: Bridge(settings).run(handle_signals=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -40,28 +41,34 @@ class BatchDecoder:
     def decode(self, payload: bytes) -> DecodedBatch:
         try:
             batch = self._batch.decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
+            # RecursionError: msgspec's answer to absurd nesting; hostile, not fatal.
             return self._decode_slowly(payload)
+        if not math.isfinite(batch.ts):
+            # JSON has no NaN or infinity: consumers could not read the batch back.
+            raise BatchDecodeError("bad_batch", f"non-finite ts {batch.ts!r}")
         return DecodedBatch(batch.ts, batch.events, batch.data_parallel_rank, [])
 
     def _decode_slowly(self, payload: bytes) -> DecodedBatch:
         try:
             raw = self._raw_batch.decode(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise BatchDecodeError("bad_batch", str(exc)[:200]) from None
+        if not math.isfinite(raw.ts):
+            raise BatchDecodeError("bad_batch", f"non-finite ts {raw.ts!r}")
         events: list[Event] = []
         rejected: list[tuple[str, str]] = []
         for item in raw.events:
             try:
                 events.append(self._event.decode(item))
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, RecursionError) as exc:
                 rejected.append(self._classify(item, exc))
         return DecodedBatch(raw.ts, events, raw.data_parallel_rank, rejected)
 
     def _classify(self, item: msgspec.Raw, exc: Exception) -> tuple[str, str]:
         try:
             value: Any = self._any.decode(item)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return ("bad_event", str(exc)[:200])
         if isinstance(value, dict):
             kind = value.get("type")

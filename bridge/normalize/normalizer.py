@@ -6,11 +6,16 @@ comes out to the sink.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from bridge.contract import SCHEMA_VERSION, GroupEvent, GroupMessage, KindSource, WorkerRecord
-from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from bridge.contract import (
+    SCHEMA_VERSION,
+    GroupEvent,
+    GroupMessage,
+    KindSource,
+    WorkerRecord,
+)
+from bridge.decode.wire import AllBlocksCleared, BlockStored, Event
 from bridge.normalize.kinds import (
     LEGACY_KIND,
     STATE,
@@ -29,12 +34,23 @@ class StreamIdentity:
     epoch: int
 
 
-@dataclass(slots=True)
+class Tally(dict[str, int]):
+    """A counter as cheap to make as a dict (one per batch): missing keys count 0."""
+
+    __slots__ = ()
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
 class NormalizeStats:
     """What normalization did to one batch, for the metrics."""
 
-    dropped: Counter[str] = field(default_factory=Counter)
-    transformed: Counter[str] = field(default_factory=Counter)
+    __slots__ = ("dropped", "transformed")
+
+    def __init__(self) -> None:
+        self.dropped: Tally = Tally()
+        self.transformed: Tally = Tally()
 
 
 class KindBook:
@@ -67,20 +83,12 @@ class KindBook:
         return {**self._learned, **self._pinned}
 
 
-class _Slice:
-    __slots__ = ("events", "legacy", "explicit")
-
-    def __init__(self) -> None:
-        self.events: list[GroupEvent] = []
-        # Only legacy publishers send events with neither group nor kind.
-        self.legacy = True
-        self.explicit: str | None = None
-
-
 class Normalizer:
     def __init__(self, kinds: KindBook, keep_placeholders: bool) -> None:
         self.kinds = kinds
         self._keep_placeholders = keep_placeholders
+        # Raw kinds from the wire are few: clean each once.
+        self._clean: dict[str, str] = {}
 
     def normalize(
         self,
@@ -92,35 +100,48 @@ class Normalizer:
         stats: NormalizeStats,
     ) -> list[GroupMessage | WorkerRecord]:
         out: list[GroupMessage | WorkerRecord] = []
-        slices: dict[int, _Slice] = {}
+        # Per group (None counts as 0), in first-seen order: the events, and the
+        # kind the slice's first store names. Only group 0 can be legacy (no
+        # group, no kind on any of its events).
+        slices: dict[int, list[GroupEvent]] = {}
+        explicit: dict[int, str] = {}
+        group0_named = False
         part = 0
+        stored = BlockStored
         for event in events:
-            if type(event) is AllBlocksCleared:
-                self._flush(ident, seq, ts, bridge_ts, part, slices, stats, out)
+            cls = type(event)
+            if cls is AllBlocksCleared:
+                self._flush(ident, seq, ts, bridge_ts, part, slices, explicit, group0_named, stats, out)
                 slices = {}
+                explicit = {}
+                group0_named = False
                 part += 1
                 out.append(
                     WorkerRecord(
                         v=SCHEMA_VERSION, worker=ident.worker, dp_rank=ident.dp_rank,
-                        epoch=ident.epoch, type="cleared", ts=bridge_ts, seq=seq, topic=ident.topic,
-                        batch_ts=ts,
+                        epoch=ident.epoch, type="cleared", ts=ts, seq=seq, topic=ident.topic,
                     )
                 )
                 continue
-            group = event.group_idx  # type: ignore[union-attr]
-            key = 0 if group is None else group
-            piece = slices.get(key)
-            if piece is None:
-                piece = slices[key] = _Slice()
-            if group is not None:
-                piece.legacy = False
-            if type(event) is BlockStored and event.kv_cache_spec_kind is not None:
-                piece.legacy = False
-                if piece.explicit is None:
-                    piece.explicit = clean_kind(event.kv_cache_spec_kind)
-                    self.kinds.learn(key, piece.explicit)
-            piece.events.append(event)  # type: ignore[arg-type]
-        self._flush(ident, seq, ts, bridge_ts, part, slices, stats, out)
+            key = event.group_idx  # type: ignore[union-attr]
+            if key is None:
+                key = 0
+            elif key == 0:
+                group0_named = True
+            bucket = slices.get(key)
+            if bucket is None:
+                bucket = slices[key] = []
+            bucket.append(event)  # type: ignore[arg-type]
+            if cls is stored and key not in explicit:
+                raw = event.kv_cache_spec_kind  # type: ignore[union-attr]
+                if raw is not None:
+                    kind = self._clean.get(raw)
+                    if kind is None:
+                        kind = self._clean[raw] = clean_kind(raw)
+                    explicit[key] = kind
+                    self.kinds.learn(key, kind)
+        if slices:
+            self._flush(ident, seq, ts, bridge_ts, part, slices, explicit, group0_named, stats, out)
         return out
 
     def _flush(
@@ -130,16 +151,19 @@ class Normalizer:
         ts: float,
         bridge_ts: float,
         part: int,
-        slices: dict[int, _Slice],
+        slices: dict[int, list[GroupEvent]],
+        explicit: dict[int, str],
+        group0_named: bool,
         stats: NormalizeStats,
         out: list[GroupMessage | WorkerRecord],
     ) -> None:
-        for group, piece in slices.items():
-            kind, source = self.kinds.resolve(group, piece.legacy)
-            if source == "learned" and piece.explicit == kind:
+        for group, events in slices.items():
+            named = explicit.get(group)
+            legacy = group == 0 and not group0_named and named is None
+            kind, source = self.kinds.resolve(group, legacy)
+            if source == "learned" and named == kind:
                 source = "event"
             family = family_of(kind)
-            events = piece.events
             if family == STATE:
                 events = self._reduce_state(events, stats)
             elif family == WINDOW:

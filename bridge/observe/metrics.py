@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from bridge.normalize.kinds import FAMILIES
 
 MALFORMED_REASONS = (
     "frame_count", "bad_seq", "too_large", "bad_topic", "bad_batch", "bad_event", "unknown_event_type",
+    "unencodable", "too_large_for_nats",
 )
 DROPPED_REASONS = ("window_placeholder", "duplicate", "queue_overflow", "foreign_topic")
+
+
+class Children(dict[str, Any]):
+    """Label value → the metric's child for it, bound once: `labels()` validates
+    and locks on every call, too slow for a per-batch path."""
+
+    def __init__(self, metric: Any, values: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self._metric = metric
+        for value in values:
+            self[value] = metric.labels(value)
+
+    def __missing__(self, value: str) -> Any:
+        child = self[value] = self._metric.labels(value)
+        return child
 
 
 class Metrics:
@@ -60,10 +78,11 @@ class Metrics:
         # Children bound once: label lookups are not free on the hot path.
         self.events_out_by = {f: self.events_out.labels(f) for f in FAMILIES}
         self.messages_out_by = {f: self.messages_out.labels(f) for f in (*FAMILIES, "worker")}
-        for reason in MALFORMED_REASONS:
-            self.malformed.labels(reason)
-        for reason in DROPPED_REASONS:
-            self.dropped.labels(reason)
+        # Bound up front, so every reason shows (as 0) before it first happens;
+        # other values are bound on first use.
+        self.malformed_by = Children(self.malformed, MALFORMED_REASONS)
+        self.dropped_by = Children(self.dropped, DROPPED_REASONS)
+        self.transformed_by = Children(self.transformed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

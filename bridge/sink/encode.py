@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 import msgspec
@@ -28,6 +29,10 @@ class Outgoing(msgspec.Struct, gc=False, array_like=True):
     headers: dict[str, str]
     family: str  # "worker" for worker records
     events: int
+    # `headers` as NATS puts them on the wire (`NATS/1.0\r\nKey: value\r\n...\r\n`),
+    # built once by the encoder: a publisher writing HPUB frames itself
+    # (`hpub_frames`) skips nats-py's per-message header encoding and checks.
+    head: bytes = b""
 
 
 class MessageEncoder:
@@ -38,16 +43,27 @@ class MessageEncoder:
         self._encode = msgspec.msgpack.Encoder().encode if fmt == "msgpack" else msgspec.json.Encoder().encode
 
     def group(self, msg: GroupMessage, subjects: SubjectBook, msg_id_base: str) -> Outgoing:
-        group_token = str(msg.group) if msg.part == 0 else f"{msg.group}.p{msg.part}"
+        seq = str(msg.seq)
+        epoch = str(msg.epoch)
+        kind = msg.kind
+        family = msg.family
+        fmt = self.format
+        msg_id = f"{msg_id_base}:{seq}:{msg.group}" if msg.part == 0 else f"{msg_id_base}:{seq}:{msg.group}.p{msg.part}"
+        if msg.chunks > 1:
+            msg_id = f"{msg_id}.c{msg.chunk}"
         headers = {
-            HDR_MSG_ID: f"{msg_id_base}:{msg.seq}:{group_token}",
-            HDR_KIND: msg.kind,
-            HDR_FAMILY: msg.family,
-            HDR_SEQ: str(msg.seq),
-            HDR_EPOCH: str(msg.epoch),
-            HDR_FORMAT: self.format,
+            HDR_MSG_ID: msg_id,
+            HDR_KIND: kind,
+            HDR_FAMILY: family,
+            HDR_SEQ: seq,
+            HDR_EPOCH: epoch,
+            HDR_FORMAT: fmt,
         }
-        return Outgoing(subjects.group(msg.group), self._encode(msg), headers, msg.family, len(msg.events))
+        head = (
+            f"NATS/1.0\r\n{HDR_MSG_ID}: {msg_id}\r\n{HDR_KIND}: {kind}\r\n{HDR_FAMILY}: {family}\r\n"
+            f"{HDR_SEQ}: {seq}\r\n{HDR_EPOCH}: {epoch}\r\n{HDR_FORMAT}: {fmt}\r\n\r\n"
+        ).encode()
+        return Outgoing(subjects.group(msg.group), self._encode(msg), headers, family, len(msg.events), head)
 
     def record(self, rec: WorkerRecord, subjects: SubjectBook, msg_id: str) -> Outgoing:
         headers = {
@@ -58,7 +74,31 @@ class MessageEncoder:
         }
         if rec.seq is not None:
             headers[HDR_SEQ] = str(rec.seq)
-        return Outgoing(subjects.worker, self._encode(rec), headers, "worker", 0)
+        return Outgoing(subjects.worker, self._encode(rec), headers, "worker", 0, header_block(headers))
+
+
+def header_block(headers: dict[str, str]) -> bytes:
+    """NATS's wire form of a header map, as nats-py writes it."""
+    lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
+    return f"NATS/1.0\r\n{lines}\r\n".encode()
+
+
+def hpub_frames(messages: Iterable[Outgoing]) -> bytes:
+    """The NATS `HPUB` commands for `messages`, in order, as one buffer: the
+    bytes nats-py's `publish(subject, payload, headers=...)` writes for each,
+    for a publisher that hands a whole batch to the connection at once.
+    Subjects and header values come from the encoder (escaped tokens, cleaned
+    kinds, numbers), so nats-py's per-message validation has nothing to find."""
+    parts: list[bytes] = []
+    append = parts.append
+    for msg in messages:
+        head = msg.head or header_block(msg.headers)
+        payload = msg.payload
+        append(f"HPUB {msg.subject} {len(head)} {len(head) + len(payload)}\r\n".encode())
+        append(head)
+        append(payload)
+        append(b"\r\n")
+    return b"".join(parts)
 
 
 def decoder_for(fmt: str, type_: type) -> msgspec.msgpack.Decoder | msgspec.json.Decoder:  # type: ignore[type-arg]

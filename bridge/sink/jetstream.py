@@ -16,7 +16,7 @@ import nats.js.errors
 import structlog
 
 from bridge.config import Settings
-from bridge.contract import HDR_FORMAT, GroupMessage, WorkerRecord
+from bridge.contract import HDR_FORMAT, HDR_MSG_ID, GroupMessage, WorkerRecord
 
 log = structlog.get_logger("bridge.jetstream")
 
@@ -24,11 +24,20 @@ T = TypeVar("T")
 
 
 class ResumePoint(msgspec.Struct, frozen=True):
-    """The last batch the stream holds for one worker and rank."""
+    """Where the stream left one worker and rank.
+
+    `done_through`: every batch up to this seq is wholly in the stream.
+    `check_seq`/`check_ts`: a batch whose vLLM timestamp the stream knows, so
+    replay can tell the same vLLM process from a new one (None: no evidence).
+    `partial_msg_id`: batch done_through + 1 is in the stream only up to this
+    message (the bridge died between the messages of one batch).
+    """
 
     epoch: int
-    seq: int  # -1: the epoch began but no batch made it into the stream
-    ts: float | None  # vLLM's timestamp of batch `seq`, to recognise the same process
+    done_through: int
+    check_seq: int | None = None
+    check_ts: float | None = None
+    partial_msg_id: str | None = None
 
 
 class StreamConfigError(RuntimeError):
@@ -81,16 +90,33 @@ async def last_point(js: nats.js.JetStreamContext, stream: str, subject_base: st
         return None
     if raw.data is None:
         return None
-    fmt = (raw.headers or {}).get(HDR_FORMAT, "msgpack")
+    headers = raw.headers or {}
+    fmt = headers.get(HDR_FORMAT, "msgpack")
+    msg_id = headers.get(HDR_MSG_ID)
     try:
         if (raw.subject or "").endswith(".worker"):
-            record: WorkerRecord = _decode(fmt, WorkerRecord, raw.data)
-            return ResumePoint(record.epoch, -1 if record.seq is None else record.seq, record.batch_ts)
+            return _after_record(_decode(fmt, WorkerRecord, raw.data), msg_id)
         group: GroupMessage = _decode(fmt, GroupMessage, raw.data)
-        return ResumePoint(group.epoch, group.seq, group.ts)
+        return ResumePoint(group.epoch, group.seq - 1, group.seq, group.ts, msg_id)
     except msgspec.DecodeError as exc:
         log.warning("resume_point_unreadable", subject=raw.subject, error=str(exc)[:200])
         return None
+
+
+def _after_record(rec: WorkerRecord, msg_id: str | None) -> ResumePoint:
+    """What each record type says about the batches before it."""
+    if rec.type == "cleared" and rec.seq is not None:
+        # inside batch `seq`, like a group message of it
+        return ResumePoint(rec.epoch, rec.seq - 1, rec.seq, rec.batch_ts, msg_id)
+    if rec.type == "stop" and rec.seq is not None:
+        return ResumePoint(rec.epoch, rec.seq, rec.seq if rec.batch_ts is not None else None, rec.batch_ts)
+    if rec.type == "gap" and rec.gap_to is not None:
+        return ResumePoint(rec.epoch, rec.gap_to)
+    if rec.type == "start" and rec.seq is not None:
+        return ResumePoint(rec.epoch, rec.seq)
+    # a fresh start, or a restart record (it names the new process's first live
+    # seq, which was not published yet): nothing of this epoch is in the stream
+    return ResumePoint(rec.epoch, -1)
 
 
 def _decode(fmt: str, type_: type[T], data: bytes) -> T:

@@ -25,10 +25,16 @@ from bridge.config import Settings
 from bridge.observe.health import Health
 from bridge.observe.metrics import Metrics
 from bridge.sink.connection import connect_options
-from bridge.sink.encode import Outgoing
+from bridge.sink.encode import Outgoing, hpub_frames
 from bridge.sink.queue import BatchQueue, OutBatch
 
 log = structlog.get_logger("bridge.nats")
+
+_CONNECT_ATTEMPT_S = 5.0
+
+# One core-NATS write gathers the queued batches up to these bounds.
+_CORE_WRITE_BYTES = 1024 * 1024
+_CORE_WRITE_BATCHES = 512
 
 _RETRYABLE = (
     nats.errors.ConnectionClosedError,
@@ -52,8 +58,12 @@ class NatsSink:
         self.nc: NatsClient | None = None
         self.js: nats.js.JetStreamContext | None = None
         self._connected = anyio.Event()
-        self._window: deque[tuple[Any, Outgoing]] = deque()
+        # (ack future, message, connection generation it was sent on)
+        self._window: deque[tuple[Any, Outgoing, int]] = deque()
+        # +1 per reconnect: an ack owed from an earlier connection never comes.
+        self._generation = 0
         self.published_batches = 0
+        self._last_seq: dict[int, Any] = {}
         self._closing = False
 
     # -- connection ------------------------------------------------------
@@ -68,6 +78,7 @@ class NatsSink:
         log.warning("nats_disconnected")
 
     async def _on_reconnect(self) -> None:
+        self._generation += 1
         self._metrics.nats_reconnects.inc()
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
@@ -92,14 +103,19 @@ class NatsSink:
         delay = 0.2
         while True:
             try:
-                self.nc = await nats.connect(**opts)
+                # Bounded: nats-py 2.16 can wait forever on a failed TLS handshake
+                # (nats-io/nats.py#718); a fresh client on the next attempt recovers.
+                with anyio.fail_after(_CONNECT_ATTEMPT_S):
+                    self.nc = await nats.connect(**opts)
                 break
             except Exception as exc:  # nats-py raises many kinds here; all mean "not yet"
                 log.warning("nats_connect_failed", error=type(exc).__name__, detail=str(exc)[:200], retry_in=delay)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if self._settings.jetstream:
-            self.js = self.nc.jetstream(publish_async_max_pending=self._settings.js_max_pending)
+            # Our window (js_max_pending) is the limit; nats-py's semaphore gets
+            # headroom so publish_async never waits on it (see _publish_js).
+            self.js = self.nc.jetstream(publish_async_max_pending=2 * self._settings.js_max_pending + 1024)
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
         self._connected.set()
@@ -112,17 +128,39 @@ class NatsSink:
         queue = self._queue
         metrics = self._metrics
         while True:
-            await queue.wait()
-            metrics.queue_depth.set(len(queue))
+            if self._window:
+                # JetStream acks outstanding: a quiet queue must not leave them
+                # unsettled (a lost ack is only noticed, and the message
+                # republished, when it is settled).
+                with anyio.move_on_after(0.05):
+                    await queue.wait()
+                if not len(queue):
+                    await self._settle_window()
+                    continue
+            else:
+                await queue.wait()
             batch = queue.peek()
             if batch is None:
                 continue
             if self.nc is None or not self.nc.is_connected:
                 await self._connected.wait()
                 continue
+            if self._window and self._window[0][2] != self._generation:
+                # Messages in flight when the connection broke go again first,
+                # so the stream keeps the bridge's order.
+                await self._settle_window()
+                continue
             try:
                 if self.js is not None:
-                    await self._publish_js(batch)
+                    # Off the queue before the first await: an overflow while
+                    # this publish waits can only drop batches not handed over.
+                    queue.pop()
+                    try:
+                        await self._publish_js(batch)
+                    except BaseException:
+                        queue.requeue([batch])
+                        raise
+                    self._account([batch])
                 else:
                     await self._publish_core(batch)
             except _RETRYABLE as exc:
@@ -130,28 +168,71 @@ class NatsSink:
                 log.warning("publish_retry", error=type(exc).__name__, detail=str(exc)[:200])
                 await anyio.sleep(0.1)
                 continue
-            queue.pop()
-            self._account(batch)
+            metrics.queue_depth.set(len(queue))
 
-    async def _publish_core(self, batch: OutBatch) -> None:
-        publish = self.nc.publish  # type: ignore[union-attr]
-        for msg in batch.messages:
-            await publish(msg.subject, msg.payload, headers=msg.headers)
+    async def _settle_window(self) -> None:
+        while self._window:
+            await self._settle_oldest()
+
+    async def _publish_core(self, first: OutBatch) -> None:
+        """Every batch queued now, as one write of HPUB frames into nats-py's
+        pending buffer (its flusher sends it): no per-message publish() call,
+        header encoding or validation. Batches leave the queue before the
+        await, so an overflow while NATS is frozen can only drop batches that
+        were never handed over."""
+        nc = self.nc
+        assert nc is not None
+        if nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        queue = self._queue
+        batches = [first]
+        queue.pop()
+        size = sum(len(m.payload) for m in first.messages)
+        while size < _CORE_WRITE_BYTES and len(batches) < _CORE_WRITE_BATCHES:
+            batch = queue.peek()
+            if batch is None:
+                break
+            queue.pop()
+            batches.append(batch)
+            size += sum(len(m.payload) for m in batch.messages)
+        try:
+            await nc._send_command(hpub_frames(m for b in batches for m in b.messages))  # noqa: SLF001
+        except BaseException:
+            # Not handed over (outbound buffer full, connection closing): back
+            # to the head of the queue, in order, for the retry.
+            queue.requeue(batches)
+            raise
+        if nc._flush_queue is not None and nc._flush_queue.empty():  # noqa: SLF001 - as nc.publish does
+            await nc._flush_pending()  # noqa: SLF001
+        self._account(batches)
 
     async def _publish_js(self, batch: OutBatch) -> None:
         js = self.js
         assert js is not None
+        window = self._window
         for msg in batch.messages:
-            future = await js.publish_async(msg.subject, msg.payload, headers=msg.headers, wait_stall=5.0)
-            self._window.append((future, msg))
-        while len(self._window) > self._settings.js_max_pending:
+            # wait_stall=None: nats-py wraps a timed semaphore wait in a task and
+            # always yields, which makes every message its own socket write.
+            future = await js.publish_async(msg.subject, msg.payload, headers=msg.headers)
+            window.append((future, msg, self._generation))
+        while window and window[0][0].done():
             await self._settle_oldest()
+        if len(window) > self._settings.js_max_pending:
+            # Let acks catch up to half the window, then publish on in bulk:
+            # one write per many messages instead of one per ack.
+            while len(window) > self._settings.js_max_pending // 2:
+                await self._settle_oldest()
 
     async def _settle_oldest(self) -> None:
-        future, msg = self._window.popleft()
+        future, msg, generation = self._window.popleft()
         try:
-            with anyio.fail_after(self._settings.js_ack_timeout):
-                await future
+            if future.done():
+                future.result()  # the ack, or the error that replaced it
+            elif generation != self._generation:
+                raise ConnectionError("sent before a reconnect; its ack is lost")
+            else:
+                with anyio.fail_after(self._settings.js_ack_timeout):
+                    await future
             return
         except Exception as exc:  # a lost or negative ack: publish it again, same Msg-Id
             self._metrics.publish_errors.inc()
@@ -174,18 +255,32 @@ class NatsSink:
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def _account(self, batch: OutBatch) -> None:
+    def _account(self, batches: list[OutBatch]) -> None:
         metrics = self._metrics
-        self.published_batches += 1
-        for msg in batch.messages:
-            metrics.messages_out_by[msg.family].inc()
-            if msg.events:
-                metrics.events_out_by[msg.family].inc(msg.events)
-        if batch.seq >= 0:
-            metrics.batches_out.inc()
-            metrics.lag.observe(max(0.0, time.time() - batch.vllm_ts))
-            metrics.last_seq.labels(str(batch.dp_rank)).set(batch.seq)
-        metrics.queue_depth.set(len(self._queue))
+        self.published_batches += len(batches)
+        messages: dict[str, int] = {}
+        events: dict[str, int] = {}
+        now = time.time()
+        vllm_batches = 0
+        for batch in batches:
+            for msg in batch.messages:
+                family = msg.family
+                messages[family] = messages.get(family, 0) + 1
+                if msg.events:
+                    events[family] = events.get(family, 0) + msg.events
+            if batch.seq >= 0:
+                vllm_batches += 1
+                metrics.lag.observe(max(0.0, now - batch.vllm_ts))
+                child = self._last_seq.get(batch.dp_rank)
+                if child is None:
+                    child = self._last_seq[batch.dp_rank] = metrics.last_seq.labels(str(batch.dp_rank))
+                child.set(batch.seq)
+        for family, n in messages.items():
+            metrics.messages_out_by[family].inc(n)
+        for family, n in events.items():
+            metrics.events_out_by[family].inc(n)
+        if vllm_batches:
+            metrics.batches_out.inc(vllm_batches)
 
     # -- shutdown --------------------------------------------------------
 
@@ -193,8 +288,7 @@ class NatsSink:
         """Everything queued out, JetStream acks in, bytes on the wire."""
         while len(self._queue):
             await anyio.sleep(0.01)
-        while self._window:
-            await self._settle_oldest()
+        await self._settle_window()
         if self.nc is not None and self.nc.is_connected:
             await self.nc.flush(timeout=5)
 

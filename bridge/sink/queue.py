@@ -7,6 +7,7 @@ stays bounded however long NATS is away; every loss is announced.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -47,6 +48,9 @@ class BatchQueue:
         self._lost: dict[tuple[int, int], LostRange] = {}
         self._make_gap = make_gap
         self._event = anyio.Event()
+        self._room = anyio.Event()
+        # When the queue last became full with no batch taken since.
+        self._full_since: float | None = None
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -57,6 +61,8 @@ class BatchQueue:
         if len(self._items) >= self._max:
             self._drop_oldest()
         self._items.append(batch)
+        if self._full_since is None and len(self._items) >= self._max:
+            self._full_since = time.monotonic()
         self._event.set()
 
     def _drop_oldest(self) -> None:
@@ -87,6 +93,30 @@ class BatchQueue:
 
     def pop(self) -> None:
         self._items.popleft()
+        self._full_since = None
+        if len(self._items) < self._max:
+            self._room.set()
+
+    def progressing(self, within: float) -> bool:
+        """False once the queue has stayed full for `within` seconds with no
+        batch taken: the sink is stalled, not just behind."""
+        return self._full_since is None or time.monotonic() - self._full_since < within
+
+    def full(self) -> bool:
+        return len(self._items) >= self._max
+
+    async def wait_for_room(self, timeout: float) -> None:
+        """Until the sink takes a batch (or `timeout` passes)."""
+        if not self.full():
+            return
+        self._room = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._room.wait()
+
+    def requeue(self, batches: list[OutBatch]) -> None:
+        """Batches taken for a write that failed go back to the front, in order."""
+        self._items.extendleft(reversed(batches))
+        self._event.set()
 
     async def wait(self) -> None:
         while not self._items and not self._lost:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio.lowlevel
 import zmq
 
 from bridge.source.zmq_io import drain, wait_readable
 
-DRAIN_LIMIT = 1024
+# One drained chunk is processed without yielding to the event loop; then the
+# sink gets its turn. Bounded by count and by bytes, so that neither many
+# small batches nor a few huge ones hold the loop (and fill the queue) for long.
+DRAIN_LIMIT = 256
+DRAIN_BYTES = 2 * 1024 * 1024
 
 
 class Subscriber:
@@ -24,13 +29,18 @@ class Subscriber:
         self._sock.connect(endpoint)
 
     async def batches(self) -> AsyncIterator[list[list[bytes]]]:
-        """Everything queued right now, as one list; waits only when empty."""
+        """Everything queued right now (up to a budget), as one list; waits
+        only when empty. After each chunk the loop is yielded: a steady stream
+        of ZMQ messages must never starve the NATS sink, or the bounded queue
+        between them overflows although NATS keeps up."""
+        sock = self._sock
         while True:
-            messages = drain(self._sock, DRAIN_LIMIT)
+            messages = drain(sock, DRAIN_LIMIT, DRAIN_BYTES)
             if messages:
                 yield messages
+                await anyio.lowlevel.checkpoint()
             else:
-                await wait_readable(self._sock)
+                await wait_readable(sock)
 
     def close(self) -> None:
         self._sock.close(linger=0)

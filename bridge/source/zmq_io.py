@@ -1,7 +1,8 @@
 """Non-blocking pyzmq under anyio: drain what is queued, then wait once.
 
 One await per message costs more than the message; draining with NOBLOCK
-until EAGAIN and only then waiting on the socket's FD keeps the loop cheap.
+until EAGAIN (or a budget) and only then waiting on the socket's FD keeps the
+loop cheap.
 """
 
 from __future__ import annotations
@@ -20,12 +21,28 @@ async def wait_readable(sock: zmq.Socket[bytes]) -> None:
         await anyio.wait_readable(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
 
 
-def drain(sock: zmq.Socket[bytes], limit: int) -> list[list[bytes]]:
+def drain(sock: zmq.Socket[bytes], limit: int, max_bytes: int = 0) -> list[list[bytes]]:
+    """Up to `limit` queued messages without blocking; with `max_bytes`, stop
+    once their last frames add up to that much."""
     out: list[list[bytes]] = []
-    recv = sock.recv_multipart
+    append = out.append
+    # recv_multipart() converts RCVMORE to an enum per frame; get() does not.
+    recv = sock.recv
+    more = sock.get
+    noblock = zmq.NOBLOCK
+    rcvmore = zmq.RCVMORE
+    size = 0
     try:
         while len(out) < limit:
-            out.append(recv(zmq.NOBLOCK))
+            parts = [recv(noblock)]
+            while more(rcvmore):
+                # The rest of a multipart message is already there: ZMQ delivers it whole.
+                parts.append(recv(noblock))
+            append(parts)
+            if max_bytes:
+                size += len(parts[-1])
+                if size >= max_bytes:
+                    break
     except zmq.Again:
         pass
     return out

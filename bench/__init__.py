@@ -1,0 +1,1 @@
+"""kv-bridge benchmark: `python -m bench.run` (see docs/bench.md)."""

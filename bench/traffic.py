@@ -1,0 +1,85 @@
+"""Pre-generated traffic in vLLM 0.33.0's wire format, shared by every mode.
+
+`HybridWorkload` writes `KVEventBatch` payloads byte for byte as vLLM encodes
+them (array-like `[ts, events]`, tagged-map events, bytes hashes) for a hybrid
+model: a full-attention group 0, a sliding-window group 1, a mamba group 2,
+with evictions and offload-tier stores. One pool of payloads per batch size is
+generated once (cached under bench/results/) and cycled; the publisher stamps
+the `ts` field at send time, so latency runs from vLLM's publish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+import msgspec
+
+from bridge.decode.wire import BlockStored, KVEventBatch
+from bridge.embedded.workload import WINDOW, HybridWorkload
+
+# `[ts, events]` or `[ts, events, rank]`: a fixarray header, then msgspec's float64 (0xcb + 8 bytes).
+TS_OFFSET = 2
+_TS = struct.Struct(">d")
+FORMAT_VERSION = 1
+
+
+class Pool(msgspec.Struct, array_like=True):
+    size: int  # events per batch
+    payloads: list[bytes]
+    events: list[int]  # vLLM events per payload
+    deliverable: list[int]  # events kv-bridge forwards (window placeholders are dropped by design)
+
+
+def _deliverable(payload: bytes, decode: msgspec.msgpack.Decoder) -> tuple[int, int]:  # type: ignore[type-arg]
+    batch: KVEventBatch = decode.decode(payload)
+    dropped = sum(
+        1 for e in batch.events if type(e) is BlockStored and e.group_idx == WINDOW and e.block_size == 0
+    )
+    return len(batch.events), len(batch.events) - dropped
+
+
+def generate(sizes: tuple[int, ...], pool_events: int, seed: int = 7) -> dict[int, Pool]:
+    decode = msgspec.msgpack.Decoder(KVEventBatch)
+    pools: dict[int, Pool] = {}
+    for size in sizes:
+        workload = HybridWorkload(seed=seed + size)
+        payloads = [workload.batch(size) for _ in range(max(4, pool_events // size))]
+        for p in payloads:
+            check_layout(p)
+        counts = [_deliverable(p, decode) for p in payloads]
+        pools[size] = Pool(size, payloads, [c[0] for c in counts], [c[1] for c in counts])
+    return pools
+
+
+def cached(sizes: tuple[int, ...], pool_events: int, cache_dir: Path, seed: int = 7) -> tuple[Path, dict[int, Pool]]:
+    """The pools, from the cache file when one with the same parameters exists."""
+    key = hashlib.sha256(repr((FORMAT_VERSION, sizes, pool_events, seed)).encode()).hexdigest()[:12]
+    path = cache_dir / f"traffic-{key}.msgpack"
+    if path.is_file():
+        try:
+            return path, load(path)
+        except (msgspec.DecodeError, OSError):
+            pass
+    pools = generate(sizes, pool_events, seed)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.msgpack.encode(list(pools.values())))
+    tmp.replace(path)
+    return path, pools
+
+
+def load(path: Path) -> dict[int, Pool]:
+    pools = msgspec.msgpack.decode(path.read_bytes(), type=list[Pool])
+    return {p.size: p for p in pools}
+
+
+def check_layout(payload: bytes) -> None:
+    if payload[0] not in (0x92, 0x93) or payload[1] != 0xCB:
+        raise ValueError("payload is not [float64 ts, events, ...]: cannot stamp ts in place")
+
+
+def stamp(buf: bytearray, ts: float) -> None:
+    """Overwrite the batch `ts` in an encoded payload (same length, same bytes otherwise)."""
+    _TS.pack_into(buf, TS_OFFSET, ts)

@@ -1,0 +1,65 @@
+"""The benchmark's smoke variant (`python -m bench.run --smoke`), so it never rots.
+
+It asserts that every mode produced well-formed figures and that kv-bridge
+delivered every event it was given, never how fast anything was: CI machines
+differ, and the figures of a seconds-long run mean nothing anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bridge.embedded.nats_server import nats_server_available
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("floor", "naive", "core", "jetstream")
+SIZES = ("8", "64", "512")
+
+pytestmark = pytest.mark.skipif(not nats_server_available(), reason="needs the nats-server binary")
+
+
+def test_smoke_benchmark_yields_figures_for_every_mode_and_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--smoke", "--out", str(out),
+         "--log-dir", str(tmp_path / "logs"), "--cache-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert out.is_file(), f"no figures written\n{proc.stdout}\n{proc.stderr}"
+    results = json.loads(out.read_text())
+    assert proc.returncode == 0, f"a run lost or missed events\n{proc.stdout}\n{proc.stderr}"
+    assert "targets:" in proc.stdout
+
+    table = results["summary"]["table"]
+    for mode in MODES:
+        assert table[mode]["peak_rss_mb"] > 0
+        for size in SIZES:
+            row = table[mode][size]
+            assert row["runs"] >= 1 and row["all_ok"], (mode, size, row)
+            assert row["events_per_s"] > 0 and row["cpu_s_per_m_events"] >= 0
+            assert row["ratio_to_floor"] > 0 and row["ratio_to_naive"] > 0
+            if mode == "naive":
+                continue  # the naive bridge cannot take 50k events/s; its latency run is skipped
+            lat = row["latency"]
+            assert lat is not None, (mode, size, row)
+            assert 0 <= lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"]
+            assert row["peak_rss_mb_at_latency_load"] > 0
+
+    # kv-bridge delivered every event it forwards (window placeholders are dropped by design), no gaps.
+    bridge_runs = [s for s in results["throughput"] + results["latency"]
+                   if s["mode"] in ("core", "jetstream") and "skipped" not in s]
+    assert len(bridge_runs) == 2 * 2 * len(SIZES)
+    for run in bridge_runs:
+        assert run["delivered"] == run["expected"] > 0 and run["gap_records"] == 0, run
+
+    overload = results["overload"]
+    assert overload["batches_published"] > 0 and overload["rss_samples"]
+    assert overload["gap_records"] >= 1 and overload["batches_announced_lost"] > 0
+    assert set(results["summary"]["targets"]) >= {
+        "core_vs_floor", "core_vs_naive", "jetstream_vs_floor", "core_p99_ms", "jetstream_p99_ms", "overload_rss_bounded",
+    }
