@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(run)
     run.set_defaults(func=_cmd_run)
 
-    demo = sub.add_parser("demo", allow_abbrev=False, help="Whole flow on this machine: vLLM-format publisher → bridge → NATS → printer.")
+    demo = sub.add_parser(
+        "demo", allow_abbrev=False,
+        help="Whole flow on this machine: vLLM-format publisher → bridge → NATS → printer.",
+    )
     add_run_arguments(demo)
     demo.add_argument("--batches", type=int, default=200, help="Batches the demo publisher sends.")
     demo.add_argument("--interval", type=float, default=0.05, help="Seconds between batches.")

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 
 import anyio
-import msgspec
 import anyio.abc
+import msgspec
 import structlog
 import zmq
 
@@ -16,7 +16,7 @@ from bridge import __version__
 from bridge.contract import HDR_MSG_ID, SCHEMA_VERSION, GroupEvent, GroupMessage, RecordType, WorkerRecord
 from bridge.decode.decoder import BatchDecodeError, BatchDecoder
 from bridge.decode.wire import BlockStored
-from bridge.normalize.normalizer import KindBook, NormalizeStats, Normalizer, StreamIdentity
+from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
 from bridge.observe.metrics import Metrics
 from bridge.sink.encode import MessageEncoder, Outgoing
 from bridge.sink.jetstream import ResumePoint
@@ -26,7 +26,6 @@ from bridge.source.frames import Frame, FrameError, parse_pub
 from bridge.source.replay import ReplayClient
 from bridge.source.sequencer import SeqTracker, Verdict
 from bridge.source.subscriber import Subscriber
-
 
 # A sink that took no batch for this long is stalled, not slow.
 _STALLED_AFTER_S = 0.5

@@ -20,10 +20,10 @@ from bridge.observe.health import Health
 from bridge.observe.http import serve_http
 from bridge.observe.metrics import Metrics
 from bridge.pipeline import StreamPipeline, StreamPlan
+from bridge.registry import CatalogQueue, GroupCatalog, WorkerEntry, WorkerRegistry, ttl_for
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.jetstream import ensure_stream, last_point
 from bridge.sink.publisher import NatsSink
-from bridge.registry import CatalogQueue, GroupCatalog, WorkerEntry, WorkerRegistry, ttl_for
 from bridge.sink.queue import LostRange, OutBatch
 
 log = structlog.get_logger("bridge.service")

@@ -9,8 +9,8 @@ from typing import TextIO
 import anyio
 import msgspec
 import nats
-from nats.aio.msg import Msg
 import structlog
+from nats.aio.msg import Msg
 
 from bridge.config import Settings
 from bridge.contract import GroupMessage, WorkerRecord
@@ -18,6 +18,7 @@ from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.embedded.publisher import WirePublisher
 from bridge.embedded.workload import HybridWorkload
 from bridge.service import Bridge
+from bridge.sink.encode import decoder_for
 from bridge.tools.render import render_group, render_record
 
 log = structlog.get_logger("bridge.demo")
@@ -48,8 +49,8 @@ async def run_demo(settings: Settings, batches: int, interval: float, events_per
         stop = anyio.Event()
         pub = WirePublisher(endpoint, replay)
         nc = await nats.connect(server.url)
-        decode_group = msgspec.msgpack.Decoder(GroupMessage) if settings.format == "msgpack" else msgspec.json.Decoder(GroupMessage)
-        decode_record = msgspec.msgpack.Decoder(WorkerRecord) if settings.format == "msgpack" else msgspec.json.Decoder(WorkerRecord)
+        decode_group = decoder_for(settings.format, GroupMessage)
+        decode_record = decoder_for(settings.format, WorkerRecord)
 
         async def show(msg: Msg) -> None:
             if msg.subject.endswith(".worker"):

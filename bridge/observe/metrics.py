@@ -57,7 +57,10 @@ class Metrics:
         )
         self.gaps = Counter("kvbridge_gaps_total", "Gap records published (lost ranges).", ["reason"], registry=r)
         self.gap_batches = Counter("kvbridge_gap_batches_total", "vLLM batches announced lost.", registry=r)
-        self.replays = Counter("kvbridge_replays_total", "Replay requests, by result (complete, timeout, probe: an idle-time check).", ["result"], registry=r)
+        self.replays = Counter(
+            "kvbridge_replays_total", "Replay requests, by result (complete, timeout, probe: an idle-time check).",
+            ["result"], registry=r,
+        )
         self.replayed_batches = Counter(
             "kvbridge_replayed_batches_total", "Batches recovered through replay.", registry=r
         )

@@ -166,7 +166,7 @@ def detect() -> Layout:
         _check_method(tracker_cls, name, params)
 
     metadata_cls = _attr(events, "_OffloadEventMetadata")
-    if not dataclasses.is_dataclass(metadata_cls):
+    if not (isinstance(metadata_cls, type) and dataclasses.is_dataclass(metadata_cls)):
         raise UnsupportedVllm("_OffloadEventMetadata is no longer a dataclass")
     fields = {f.name for f in dataclasses.fields(metadata_cls)}
     if fields != _METADATA_FIELDS:

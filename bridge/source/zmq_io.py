@@ -15,7 +15,7 @@ _WAIT_BOUND_S = 0.05
 
 
 async def wait_readable(sock: zmq.Socket[bytes]) -> None:
-    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator,arg-type]
         return
     with anyio.move_on_after(_WAIT_BOUND_S):
         await anyio.wait_readable(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
