@@ -347,6 +347,8 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
                  "--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key"):
         path = values[flag.lstrip("-").replace("-", "_")]
         check(not path or os.path.isfile(path), flag, f"no such file: {path}")
+    check(not ((values["nats_password"] or values["nats_password_file"]) and not values["nats_user"]),
+          "--nats-user", "a NATS password needs a user name")
     check(bool(values["nats_tls_cert"]) == bool(values["nats_tls_key"]), "--nats-tls-cert",
           "client certificate and key go together")
     _check_nats_security(values, check)

@@ -46,7 +46,8 @@ def test_secrets_never_in_repr_or_redacted_view(tmp_path: Path) -> None:
     from bridge.config import load_settings
 
     ns = argparse.Namespace(**{o.dest: None for o in OPTIONS})
-    s = load_settings(ns, {"KVB_NATS_PASSWORD": "hunter2-secret", "KVB_NATS_TOKEN": "tok-secret", "KVB_WORKER_ID": "w"})
+    s = load_settings(ns, {"KVB_NATS_PASSWORD": "hunter2-secret", "KVB_NATS_TOKEN": "tok-secret", "KVB_WORKER_ID": "w",
+                           "KVB_NATS_USER": "bridge"})
     assert "hunter2" not in repr(s) and "tok-secret" not in repr(s)
     assert "hunter2" not in str(s.redacted()) and "tok-secret" not in str(s.redacted())
 
@@ -68,3 +69,13 @@ def test_bad_values_name_their_option() -> None:
 def test_readme_configuration_table_is_current() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert options_table() in readme, "README's configuration table is stale: paste bridge.config.options_table()"
+
+
+def test_a_password_without_a_user_is_refused() -> None:
+    import argparse
+
+    from bridge.config import load_settings
+
+    ns = argparse.Namespace(**{o.dest: None for o in OPTIONS})
+    with pytest.raises(ConfigError, match="--nats-user"):
+        load_settings(ns, {"KVB_NATS_PASSWORD": "x", "KVB_WORKER_ID": "w"})

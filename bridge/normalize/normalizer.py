@@ -214,5 +214,8 @@ class Normalizer:
                     continue
                 event.placeholder = True
                 stats.transformed["placeholder_flagged"] += 1
+            elif type(event) is BlockStored:
+                # the flag is the bridge's word, never the publisher's
+                event.placeholder = False
             result.append(event)
         return result

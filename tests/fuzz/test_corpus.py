@@ -1,0 +1,118 @@
+"""Replays the malformed-input corpus in tests/corpus/ (see its README):
+offline through the frame checks, decoder, normalizer and encoders, and live
+through a bridge among good batches."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from bridge.contract import GroupMessage
+from bridge.decode.decoder import BatchDecodeError, BatchDecoder
+from bridge.embedded.nats_server import NatsServerProcess
+from bridge.embedded.publisher import WirePublisher
+from bridge.normalize.normalizer import (
+    KindBook,
+    Normalizer,
+    NormalizeStats,
+    StreamIdentity,
+)
+from bridge.sink.encode import MessageEncoder
+from bridge.sink.subjects import SubjectBook
+from bridge.source.frames import FrameError, parse_pub
+from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
+from tests.corpus.make_corpus import MAX_FRAME, read_frames
+from tests.fuzz.live import good_batch, wait_good
+
+CORPUS = Path(__file__).resolve().parent.parent / "corpus"
+MANIFEST: dict[str, dict[str, Any]] = json.loads((CORPUS / "manifest.json").read_text())
+_SAFE_HEADER = re.compile(r"^[\x21-\x7e]*$")
+
+
+def _entries() -> list[Any]:
+    out = []
+    for name, entry in sorted(MANIFEST.items()):
+        marks = [pytest.mark.xfail(strict=True, reason=entry["known_bug"])] if "known_bug" in entry else []
+        out.append(pytest.param(name, entry, id=name, marks=marks))
+    return out
+
+
+def test_every_corpus_file_is_in_the_manifest() -> None:
+    files = {str(p.relative_to(CORPUS)) for p in CORPUS.glob("*/*") if p.suffix in (".hex", ".bin")}
+    assert files == set(MANIFEST)
+
+
+@pytest.mark.parametrize(("name", "entry"), _entries())
+def test_corpus_entry_offline(name: str, entry: dict[str, Any]) -> None:
+    path = CORPUS / name
+    if name.startswith("frames/"):
+        with pytest.raises(FrameError) as info:
+            parse_pub(read_frames(path), MAX_FRAME)
+        assert {info.value.reason: 1} == entry["malformed"]
+        return
+    payload = path.read_bytes()
+    if entry["malformed"].get("bad_batch"):
+        with pytest.raises(BatchDecodeError):
+            BatchDecoder().decode(payload)
+        return
+    batch = BatchDecoder().decode(payload)
+    assert len(batch.events) == entry["good_events"]
+    assert Counter(r for r, _ in batch.rejected) == Counter(entry["malformed"])
+    items = Normalizer(KindBook({}), False).normalize(
+        StreamIdentity("corpus", 0, "", 1), 7, batch.ts, batch.events, time.time(), NormalizeStats())
+    if name == "payloads/hostile_kind.bin":
+        assert [i.kind for i in items if isinstance(i, GroupMessage)] == ["unknown"]
+    for fmt in ("msgpack",) if entry.get("json_unwritable") else ("msgpack", "json"):
+        encoder = MessageEncoder(fmt)
+        for item in items:
+            if isinstance(item, GroupMessage):
+                out = encoder.group(item, SubjectBook("kv", "corpus", 0), "corpus:0:1")
+                assert all(_SAFE_HEADER.match(v) for v in out.headers.values()), out.headers
+
+
+
+@pytest.mark.anyio
+async def test_corpus_through_a_live_bridge(nats_server: NatsServerProcess) -> None:
+    """Every entry without a known bug, each between two good batches: the
+    counters add up to the manifest, every good batch arrives, no gap."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
+                             max_frame_bytes=str(MAX_FRAME))
+    bus = await BusCollector().start(nats_server.url)
+    expected: Counter[str] = Counter()
+    good_events = 0
+    entries = [(n, e) for n, e in sorted(MANIFEST.items()) if "known_bug" not in e]
+    try:
+        async with running_bridge(settings) as bridge:
+            await anyio.sleep(0.3)
+            for k, (name, entry) in enumerate(entries):
+                pub.publish(good_batch(k))
+                if name.startswith("frames/"):
+                    pub.send_raw(read_frames(CORPUS / name))
+                else:
+                    pub.publish((CORPUS / name).read_bytes())
+                expected.update(entry["malformed"])
+                good_events += entry["good_events"]
+            pub.publish(good_batch(len(entries)))
+            await anyio.to_thread.run_sync(pub.wait_idle)
+            await wait_good(bus, list(range(len(entries) + 1)), timeout=15)
+            await anyio.sleep(0.3)
+            got = {r: metric(bridge, "kvbridge_malformed_total", reason=r) for r in expected}
+            events_in = metric(bridge, "kvbridge_events_in_total")
+            assert bridge.health.live()
+    finally:
+        pub.close()
+        await bus.close()
+    assert got == {r: float(n) for r, n in expected.items()}
+    assert events_in == 2 * (len(entries) + 1) + good_events
+    assert bus.records("gap") == [] and bus.records("restart") == []
+    for r in bus.items:
+        assert all(_SAFE_HEADER.match(v) for v in r.headers.values()), r.headers
