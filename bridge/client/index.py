@@ -202,33 +202,24 @@ class ResidencyIndex:
 
     def apply_record(self, rec: WorkerRecord) -> None:
         key = WorkerKey(rec.worker, rec.dp_rank)
-        if rec.type == "restart":
+        if rec.type in ("restart", "start"):
             view = self.views.get(key)
             if view is not None and view.epoch and rec.epoch < view.epoch:
                 view.old_epoch_ignored += 1
                 return
             if view is None:
                 view = self._new_view(key, rec.epoch)
-            else:
-                self._reset(view, rec.epoch)
-            view.restarts += 1
-            view.watching = True
-            return
-        if rec.type == "start":
-            view = self.views.get(key)
-            if view is not None and view.epoch and rec.epoch < view.epoch:
-                view.old_epoch_ignored += 1
-                return
-            if view is None:
-                view = self._new_view(key, rec.epoch)
-            elif rec.reason == "resumed":
+            elif rec.type == "start" and rec.reason == "resumed":
                 view.epoch = rec.epoch
             else:
-                # A fresh bridge saw nothing of the past: what we hold may be
-                # long gone, and it will not tell us.
+                # A restart, or a fresh bridge that saw nothing of the past:
+                # what we hold may be long gone, and nobody will tell us.
                 self._reset(view, rec.epoch)
+            if rec.type == "restart":
+                view.restarts += 1
+            else:
+                view.topic = rec.topic
             view.watching = True
-            view.topic = rec.topic
             return
         view = self._current(rec.worker, rec.dp_rank, rec.epoch)
         if view is None:
