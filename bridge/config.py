@@ -12,7 +12,7 @@ import argparse
 import os
 import socket
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -369,5 +369,3 @@ def options_table() -> str:
         rows.append(f"| {flag} | `{opt.env}` | {shown} | {opt.help} |")
     return "\n".join(rows)
 
-
-ParseHook = Callable[[Sequence[str]], argparse.Namespace]

@@ -11,6 +11,7 @@ import anyio
 import msgspec
 import nats
 
+from bridge.client.codec import BusCodec
 from bridge.config import OPTIONS, Settings, load_settings
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import free_port
@@ -56,12 +57,9 @@ class BusCollector:
     """Everything on `<prefix>.>`, decoded, in arrival order."""
 
     def __init__(self, fmt: str = "msgpack") -> None:
-        if fmt == "msgpack":
-            self._group = msgspec.msgpack.Decoder(GroupMessage)
-            self._record = msgspec.msgpack.Decoder(WorkerRecord)
-        else:
-            self._group = msgspec.json.Decoder(GroupMessage)  # type: ignore[assignment]
-            self._record = msgspec.json.Decoder(WorkerRecord)  # type: ignore[assignment]
+        self._fmt = fmt
+        self._codec = BusCodec()
+        self.wrong_format: list[str] = []
         self.items: list[Received] = []
         self.raw: list[bytes] = []
         self.nc: nats.NATS | None = None
@@ -74,7 +72,10 @@ class BusCollector:
 
     async def _on_msg(self, msg: Any) -> None:
         self.raw.append(msg.data)
-        body = self._record.decode(msg.data) if msg.subject.endswith(".worker") else self._group.decode(msg.data)
+        headers = dict(msg.headers or {})
+        if self._codec.format_of(msg.data, headers) != self._fmt:
+            self.wrong_format.append(msg.subject)
+        body = self._codec.decode(msg.subject, headers, msg.data)
         self.items.append(Received(msg.subject, dict(msg.headers or {}), body))
 
     def groups(self) -> list[GroupMessage]:
@@ -105,3 +106,10 @@ def metric(bridge: Bridge, name: str, **labels: str) -> float:
     """A sample from the bridge's own Prometheus registry (0 when never set)."""
     value = bridge.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+async def wait_published(bridge: Bridge, batches: float, timeout: float = 20.0) -> None:
+    """Until the bridge has handed `batches` vLLM batches to NATS; TimeoutError otherwise."""
+    with anyio.fail_after(timeout):
+        while metric(bridge, "kvbridge_batches_out_total") < batches:
+            await anyio.sleep(0.05)

@@ -76,6 +76,7 @@ async def test_every_vllm_event_arrives_once_in_order_on_its_subject(nats_server
         await bus.close()
 
     worker_token = "pod~2Ea~20b~2A~3E"
+    assert bus.wrong_format == [], f"payloads not in {fmt}"
     groups = bus.groups()
     # every batch once, in order, none twice (seq per batch, one message per group)
     assert bus.seqs() == list(range(12))

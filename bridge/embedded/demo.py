@@ -12,13 +12,13 @@ import nats
 import structlog
 from nats.aio.msg import Msg
 
+from bridge.client.codec import BusCodec
 from bridge.config import Settings
-from bridge.contract import GroupMessage, WorkerRecord
+from bridge.contract import WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.embedded.publisher import WirePublisher
 from bridge.embedded.workload import HybridWorkload
 from bridge.service import Bridge
-from bridge.sink.encode import decoder_for
 from bridge.tools.render import render_group, render_record
 
 log = structlog.get_logger("bridge.demo")
@@ -49,14 +49,11 @@ async def run_demo(settings: Settings, batches: int, interval: float, events_per
         stop = anyio.Event()
         pub = WirePublisher(endpoint, replay)
         nc = await nats.connect(server.url)
-        decode_group = decoder_for(settings.format, GroupMessage)
-        decode_record = decoder_for(settings.format, WorkerRecord)
+        codec = BusCodec()
 
         async def show(msg: Msg) -> None:
-            if msg.subject.endswith(".worker"):
-                line = render_record(decode_record.decode(msg.data))
-            else:
-                line = render_group(decode_group.decode(msg.data))
+            body = codec.decode(msg.subject, msg.headers, msg.data)
+            line = render_record(body) if isinstance(body, WorkerRecord) else render_group(body)
             out.write(f"{msg.subject:<28} {line}\n")
             out.flush()
 
