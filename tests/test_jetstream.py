@@ -18,7 +18,7 @@ from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.embedded.publisher import WirePublisher
 from bridge.embedded.workload import HybridWorkload
-from tests.busutil import endpoints, make_settings, metric, running_bridge
+from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 
 pytestmark = pytest.mark.anyio
 
@@ -51,9 +51,7 @@ async def test_jetstream_mode_stores_every_batch_once(nats_server: NatsServerPro
         async with running_bridge(settings) as bridge:
             for _ in range(50):
                 pub.publish(workload.batch(16))
-            with anyio.fail_after(20):
-                while metric(bridge, "kvbridge_batches_out_total") < 50:
-                    await anyio.sleep(0.05)
+            await wait_published(bridge, 50)
     finally:
         pub.close()
     contents = await stream_contents(nats_server.url)
@@ -149,9 +147,7 @@ async def test_resume_recognises_a_vllm_restart_while_the_bridge_was_down(nats_s
     async with running_bridge(settings) as bridge:
         for _ in range(30):
             pub.publish(workload.batch(8))
-        with anyio.fail_after(20):
-            while metric(bridge, "kvbridge_batches_out_total") < 30:
-                await anyio.sleep(0.05)
+        await wait_published(bridge, 30)
     pub.close()
     # a new vLLM process: seq starts over, and it has already published 10 batches
     time.sleep(0.2)
@@ -163,9 +159,7 @@ async def test_resume_recognises_a_vllm_restart_while_the_bridge_was_down(nats_s
         async with running_bridge(settings) as bridge:
             for _ in range(5):
                 pub.publish(workload.batch(8))
-            with anyio.fail_after(20):
-                while metric(bridge, "kvbridge_batches_out_total") < 15:
-                    await anyio.sleep(0.05)
+            await wait_published(bridge, 15)
             assert metric(bridge, "kvbridge_restarts_total") == 1
     finally:
         pub.close()

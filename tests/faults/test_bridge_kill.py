@@ -12,7 +12,7 @@ import pytest
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.embedded.publisher import WirePublisher
-from tests.busutil import endpoints, make_settings, metric, running_bridge
+from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 from tests.faults.harness import (
     BridgeProcess,
     account,
@@ -166,9 +166,7 @@ async def test_resume_after_a_kill_right_after_a_restart_record(nats_server: Nat
         async with running_bridge(settings) as bridge:
             for k in range(5):
                 pub.publish(fault_batch(0, k))
-            with anyio.fail_after(20):
-                while metric(bridge, "kvbridge_batches_out_total") < 5:
-                    await anyio.sleep(0.05)
+            await wait_published(bridge, 5)
             pub.close()
             await anyio.sleep(0.3)
             # a new vLLM process; the bridge first sees its live seq 3 (0..2 before it connected)
@@ -178,9 +176,7 @@ async def test_resume_after_a_kill_right_after_a_restart_record(nats_server: Nat
                 pub.publish(fault_batch(1, k), drop=True)
             for k in range(3, 6):
                 pub.publish(fault_batch(1, k))
-            with anyio.fail_after(20):
-                while metric(bridge, "kvbridge_batches_out_total") < 11:
-                    await anyio.sleep(0.05)
+            await wait_published(bridge, 11)
         # the stream ends [restart(seq=3), new 0..5 (2 messages each), stop]: keep
         # everything up to the restart record, as a kill right after it would
         await _stream_tail_surgery(nats_server.url, 13)

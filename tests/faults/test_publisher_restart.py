@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from bridge.embedded.nats_server import NatsServerProcess
-from tests.busutil import endpoints, make_settings, metric, running_bridge
+from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 from tests.faults.harness import (
     ATTN_GROUP,
     STATE_GROUP,
@@ -74,9 +74,7 @@ async def test_vllm_publisher_restart(nats_server: NatsServerProcess) -> None:
                 publisher.publish(_vllm_batch(kv, 0, k))
                 await anyio.sleep(0.01)
             sent[0] = first_n
-            with anyio.fail_after(20):
-                while metric(bridge, "kvbridge_batches_out_total") < first_n:
-                    await anyio.sleep(0.05)
+            await wait_published(bridge, first_n)
             total = first_n
             for r in range(1, rounds + 1):
                 publisher.shutdown()
@@ -88,9 +86,7 @@ async def test_vllm_publisher_restart(nats_server: NatsServerProcess) -> None:
                     await anyio.sleep(0.02)
                 sent[r] = next_n
                 total += next_n
-                with anyio.fail_after(20):
-                    while metric(bridge, "kvbridge_batches_out_total") < total:
-                        await anyio.sleep(0.05)
+                await wait_published(bridge, total)
             publisher.shutdown()
             restarts = metric(bridge, "kvbridge_restarts_total")
             replayed = metric(bridge, "kvbridge_replayed_batches_total")
