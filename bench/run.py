@@ -75,18 +75,21 @@ class Plan:
     quiet_s: float  # after the overload: nothing new for this long means the bridge has caught up
     burst_batches: int  # a throughput burst must fit the bridge's queue (--max-buffered-batches 10000)
     vllm_check: bool
+    skip_overload: bool
     out: Path
     log_dir: Path
     cache_dir: Path
     bridge_src: Path | None
+    ref_src: Path | None
     bridge_args: list[str]
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
     smoke = args.smoke
+    sizes = tuple(args.sizes) if args.sizes else SIZES
     return Plan(
         smoke=smoke,
-        sizes=tuple(args.sizes) if args.sizes else SIZES,
+        sizes=sizes,
         modes=tuple(args.modes) if args.modes else MODES,
         events=args.events or (3_000 if smoke else 300_000),
         naive_events=args.naive_events or (300 if smoke else 15_000),
@@ -97,16 +100,19 @@ def make_plan(args: argparse.Namespace) -> Plan:
         latency_repeats=args.latency_repeats or (1 if smoke else 3),
         overload_rate=args.overload_rate,
         overload_s=args.overload_seconds or (1.0 if smoke else 8.0),
-        overload_size=64,
+        # The overload run reuses a throughput pool: 64 events, or the middle size asked for.
+        overload_size=64 if 64 in sizes else sorted(sizes)[len(sizes) // 2],
         overload_max_batches=args.overload_max_batches or (20 if smoke else 200),
         stall_s=10.0,
         quiet_s=1.5 if smoke else 5.0,
         burst_batches=8_000,
         vllm_check=not smoke and not args.skip_vllm_check,
+        skip_overload=args.skip_overload,
         out=Path(args.out) if args.out else RESULTS / ("smoke.json" if smoke else "latest.json"),
         log_dir=Path(args.log_dir) if args.log_dir else RESULTS / "logs",
         cache_dir=Path(args.cache_dir) if args.cache_dir else RESULTS,
         bridge_src=Path(args.bridge_src).resolve() if args.bridge_src else None,
+        ref_src=Path(args.ref_src).resolve() if args.ref_src else None,
         bridge_args=list(args.bridge_arg or []),
     )
 
@@ -210,6 +216,7 @@ class Runner:
     tmp: Path
     extra_flags: list[str] = field(default_factory=list)
     label: str = ""
+    src: Path | None = None  # the kv-bridge source tree to run (default: plan.bridge_src, else this one)
     publisher: Child | None = None
     consumer: Child | None = None
     server: NatsServerProcess | None = None
@@ -256,7 +263,7 @@ class Runner:
             if self.mode == "jetstream":
                 argv.append("--jetstream")
             # `python -m bridge` imports the package from its working directory first.
-            self.consumer = Child(self.name, argv, plan.log_dir, False, cwd=plan.bridge_src or ROOT)
+            self.consumer = Child(self.name, argv, plan.log_dir, False, cwd=self.src or plan.bridge_src or ROOT)
             await self.consumer.start()
             if not await http_ready(http_port, 60):
                 raise RuntimeError(f"{self.name}: bridge not ready; see {self.consumer.log_path}")
@@ -378,7 +385,16 @@ async def overload(plan: Plan, traffic: Path, pools: dict[int, Pool], tmp: Path)
     batch once NATS is back."""
     runner = Runner("core", plan, traffic, pools, tmp, label="overload",
                     extra_flags=["--max-buffered-batches", str(plan.overload_max_batches)])
-    await runner.start()
+    try:
+        await runner.start()
+        return await _overload_measured(plan, runner)
+    except BaseException:
+        # No orphaned bridge, publisher or nats-server left to skew the next run.
+        await runner.stop()
+        raise
+
+
+async def _overload_measured(plan: Plan, runner: Runner) -> dict[str, Any]:
     assert runner.server is not None and runner.server.proc is not None
     assert runner.counter is not None and runner.publisher is not None and runner.consumer is not None
     size = plan.overload_size
@@ -447,6 +463,17 @@ async def overload(plan: Plan, traffic: Path, pools: dict[int, Pool], tmp: Path)
     }
 
 
+def make_runners(plan: Plan, traffic: Path, pools: dict[int, Pool], tmp: Path) -> list[Runner]:
+    """One runner per mode; with --ref-src, each kv-bridge mode again from that
+    tree (label `<mode>-ref`), interleaved with the others: an A/B in one run."""
+    runners = []
+    for mode in plan.modes:
+        runners.append(Runner(mode, plan, traffic, pools, tmp))
+        if plan.ref_src is not None and mode in ("core", "jetstream"):
+            runners.append(Runner(mode, plan, traffic, pools, tmp, label=f"{mode}-ref", src=plan.ref_src))
+    return runners
+
+
 async def measure(plan: Plan) -> dict[str, Any]:
     started = time.time()
     load_before = os.getloadavg()
@@ -463,7 +490,7 @@ async def measure(plan: Plan) -> dict[str, Any]:
     results: dict[str, Any] = {"throughput": [], "latency": [], "processes": {}}
     with tempfile.TemporaryDirectory(prefix="kvb-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        runners = [Runner(m, plan, traffic, pools, tmp) for m in plan.modes]
+        runners = make_runners(plan, traffic, pools, tmp)
         try:
             await asyncio.gather(*(r.start() for r in runners))
             say("warm-up ...")
@@ -484,7 +511,7 @@ async def measure(plan: Plan) -> dict[str, Any]:
             # (glibc keeps it), which would hide what the steady state needs.
             stopped = await asyncio.gather(*(r.stop() for r in runners))
             results["processes"] = {r.name: info for r, info in zip(runners, stopped)}
-            runners = [Runner(m, plan, traffic, pools, tmp, label=m) for m in plan.modes]
+            runners = make_runners(plan, traffic, pools, tmp)
             await asyncio.gather(*(r.start() for r in runners))
             for r in runners:
                 for size in plan.sizes:
@@ -513,7 +540,7 @@ async def measure(plan: Plan) -> dict[str, Any]:
         finally:
             stopped = await asyncio.gather(*(r.stop() for r in runners))
             results["processes_at_fixed_load"] = {r.name: info for r, info in zip(runners, stopped)}
-        if "core" in plan.modes:
+        if "core" in plan.modes and not plan.skip_overload:
             say(f"overload: nats-server SIGSTOPped, {plan.overload_rate:,.0f} ev/s offered for {plan.overload_s}s, "
                 f"--max-buffered-batches {plan.overload_max_batches} ...")
             results["overload"] = await overload(plan, traffic, pools, tmp)
@@ -709,7 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overload-seconds", type=float)
     ap.add_argument("--overload-max-batches", type=int, help="--max-buffered-batches of the overloaded bridge.")
     ap.add_argument("--skip-vllm-check", action="store_true", help="Skip re-encoding the traffic with vLLM.")
-    ap.add_argument("--bridge-src", help="Run kv-bridge from another source tree (its root): A/B a change.")
+    ap.add_argument("--skip-overload", action="store_true", help="Skip the overload run (for quick A/B runs).")
+    ap.add_argument("--bridge-src", help="Run kv-bridge from another source tree (its root).")
+    ap.add_argument("--ref-src", help="Also run each kv-bridge mode from this source tree (label <mode>-ref), "
+                                      "interleaved with the others: an A/B of a change in one run.")
     ap.add_argument("--bridge-arg", action="append", metavar="FLAG",
                     help="Extra `kv-bridge run` flag for the bridge modes, e.g. --bridge-arg=--js-max-pending=1024.")
     return ap

@@ -31,12 +31,12 @@ import structlog
 from nats.js.kv import KeyValue
 
 from bridge import __version__
-from bridge.contract import HDR_EPOCH, HDR_FAMILY, HDR_FORMAT, HDR_KIND, HDR_SEQ, GroupMessage
+from bridge.contract import HDR_FAMILY, HDR_FORMAT, HDR_KIND, HDR_SEQ, GroupMessage
 from bridge.decode.wire import BlockStored
 from bridge.normalize.kinds import UNKNOWN_KIND, WINDOW
 from bridge.sink.encode import decoder_for
 from bridge.sink.queue import BatchQueue, OutBatch
-from bridge.sink.subjects import parse_worker_token, worker_token
+from bridge.sink.subjects import worker_token
 
 log = structlog.get_logger("bridge.registry")
 
@@ -173,41 +173,41 @@ class _RankSeen:
 
 class GroupCatalog:
     """What the registry entry says about groups and seqs, learned from the
-    batches on their way to NATS. Header reads per message; a payload is decoded
-    only (and only sometimes) while a group's block size or window is unknown."""
+    batches on their way to NATS. Per batch: its rank, epoch and seq; per
+    message a header read until its group is known, and a payload decoded only
+    (and only sometimes) while a group's block size or window is unknown."""
 
     def __init__(self) -> None:
         self._groups: dict[int, GroupInfo] = {}
         self._ranks: dict[int, _RankSeen] = {}
-        self._rank_of_subject: dict[str, int] = {}
         self._misses: dict[int, int] = {}
         self._decoders: dict[str, Any] = {}
+        # subject → the kind its group was fully learned with: nothing more to read.
+        self._settled: dict[str, str] = {}
 
     def observe(self, batch: OutBatch) -> None:
+        seen = self._ranks.get(batch.dp_rank)
+        if seen is None:
+            seen = self._ranks[batch.dp_rank] = _RankSeen()
+        if batch.epoch != seen.epoch:
+            seen.epoch, seen.last_seq = batch.epoch, None
+        if batch.seq >= 0:
+            self._saw_seq(seen, batch.seq)
+        settled = self._settled
         for out in batch.messages:
             headers = out.headers
-            rank = self._rank(out.subject)
-            seen = self._ranks.get(rank)
-            if seen is None:
-                seen = self._ranks[rank] = _RankSeen()
-            epoch = int(headers.get(HDR_EPOCH, 0) or 0)
-            if epoch and epoch != seen.epoch:
-                seen.epoch, seen.last_seq = epoch, None
-            seq_text = headers.get(HDR_SEQ)
-            if seq_text is not None:
-                seq = int(seq_text)
-                if seen.last_seq is None or seq > seen.last_seq:
-                    seen.last_seq = seq
-            if out.family != "worker":
+            if out.family == "worker":
+                # Records tie to a seq only through their header (stop, cleared, resumed start).
+                seq_text = headers.get(HDR_SEQ)
+                if seq_text is not None:
+                    self._saw_seq(seen, int(seq_text))
+            elif settled.get(out.subject) != headers.get(HDR_KIND):
                 self._learn_group(out.subject, headers, out.payload)
 
-    def _rank(self, subject: str) -> int:
-        rank = self._rank_of_subject.get(subject)
-        if rank is None:
-            parts = subject.rsplit(".", 2)
-            rank = parse_worker_token(parts[1])[1] if len(parts) == 3 else 0
-            self._rank_of_subject[subject] = rank
-        return rank
+    @staticmethod
+    def _saw_seq(seen: _RankSeen, seq: int) -> None:
+        if seen.last_seq is None or seq > seen.last_seq:
+            seen.last_seq = seq
 
     def _learn_group(self, subject: str, headers: dict[str, str], payload: bytes) -> None:
         group = int(subject.rpartition(".")[2])
@@ -218,6 +218,7 @@ class GroupCatalog:
             info = self._groups[group] = GroupInfo(group, kind, family)
         complete = info.block_size > 0 and (info.family != WINDOW or info.sliding_window is not None)
         if complete:
+            self._settled[subject] = kind
             return
         misses = self._misses.get(group, 0)
         self._misses[group] = misses + 1

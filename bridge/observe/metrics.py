@@ -1,10 +1,21 @@
-"""Prometheus metrics of one bridge process, on a registry of its own."""
+"""Prometheus metrics of one bridge process, on a registry of its own.
+
+The per-batch ones are plain Python numbers exported by a collector at scrape
+time: prometheus_client takes a lock and validates on every `inc()`, which on
+the hot path cost more than some of the work it counts. Everything runs on the
+event loop's one thread, scrapes included, so no lock is needed.
+"""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from bridge.normalize.kinds import FAMILIES
 
@@ -13,6 +24,7 @@ MALFORMED_REASONS = (
     "unencodable", "too_large_for_nats",
 )
 DROPPED_REASONS = ("window_placeholder", "duplicate", "queue_overflow", "foreign_topic")
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Children(dict[str, Any]):
@@ -30,30 +42,114 @@ class Children(dict[str, Any]):
         return child
 
 
+class Count:
+    """One counter value; `inc` as prometheus_client's, without its lock."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class Level:
+    """One gauge value, set from the hot path."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class CountBy(dict[str, Count]):
+    """Label value → its Count, made on first use (or up front, to show as 0)."""
+
+    def __init__(self, values: tuple[str, ...] = ()) -> None:
+        super().__init__((value, Count()) for value in values)
+
+    def __missing__(self, value: str) -> Count:
+        child = self[value] = Count()
+        return child
+
+
+class LevelBy(dict[str, Level]):
+    def __missing__(self, value: str) -> Level:
+        child = self[value] = Level()
+        return child
+
+
+class Buckets:
+    """A histogram: per-bucket counts, made cumulative only when scraped."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+class _HotCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        yield _counter("kvbridge_batches_in", "vLLM batches received (live and replayed).", m.batches_in)
+        yield _counter("kvbridge_events_in", "vLLM events decoded.", m.events_in)
+        yield _counter_by("kvbridge_events_out", "Events published to NATS, by family.", "family", m.events_out_by)
+        yield _counter_by("kvbridge_messages_out",
+                          "NATS messages published, by family (worker records: family=worker).",
+                          "family", m.messages_out_by)
+        yield _counter("kvbridge_batches_out", "vLLM batches fully handed to NATS.", m.batches_out)
+        yield _counter_by("kvbridge_dropped", "Events or batches dropped on purpose, by reason.", "reason",
+                          m.dropped_by)
+        yield _counter_by("kvbridge_transformed", "Events changed by normalization, by what was done.", "what",
+                          m.transformed_by)
+        seq = GaugeMetricFamily("kvbridge_last_seq", "Last vLLM seq handed to NATS.", labels=["dp_rank"])
+        for rank, level in sorted(m.last_seq.items()):
+            seq.add_metric([rank], level.value)
+        yield seq
+        yield HistogramMetricFamily("kvbridge_lag_seconds", "vLLM batch timestamp to NATS publish.",
+                                    buckets=m.lag.cumulative(), sum_value=m.lag.total)
+
+
+def _counter(name: str, doc: str, count: Count) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=count.value)
+
+
+def _counter_by(name: str, doc: str, label: str, counts: dict[str, Count]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([value], count.value)
+    return family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.info = Gauge("kvbridge_info", "Bridge build and identity.", ["version", "worker"], registry=r)
-        self.batches_in = Counter("kvbridge_batches_in_total", "vLLM batches received (live and replayed).", registry=r)
-        self.events_in = Counter("kvbridge_events_in_total", "vLLM events decoded.", registry=r)
-        self.events_out = Counter(
-            "kvbridge_events_out_total", "Events published to NATS, by family.", ["family"], registry=r
-        )
-        self.messages_out = Counter(
-            "kvbridge_messages_out_total", "NATS messages published, by family (worker records: family=worker).",
-            ["family"], registry=r,
-        )
-        self.batches_out = Counter("kvbridge_batches_out_total", "vLLM batches fully handed to NATS.", registry=r)
-        self.dropped = Counter(
-            "kvbridge_dropped_total", "Events or batches dropped on purpose, by reason.", ["reason"], registry=r
-        )
         self.malformed = Counter(
             "kvbridge_malformed_total", "Frames, batches or events rejected as malformed, by reason.", ["reason"],
             registry=r,
-        )
-        self.transformed = Counter(
-            "kvbridge_transformed_total", "Events changed by normalization, by what was done.", ["what"], registry=r
         )
         self.gaps = Counter("kvbridge_gaps_total", "Gap records published (lost ranges).", ["reason"], registry=r)
         self.gap_batches = Counter("kvbridge_gap_batches_total", "vLLM batches announced lost.", registry=r)
@@ -72,20 +168,20 @@ class Metrics:
         self.publish_errors = Counter(
             "kvbridge_publish_errors_total", "NATS publish attempts that failed (retried).", registry=r
         )
-        self.last_seq = Gauge("kvbridge_last_seq", "Last vLLM seq handed to NATS.", ["dp_rank"], registry=r)
-        self.lag = Histogram(
-            "kvbridge_lag_seconds", "vLLM batch timestamp to NATS publish.",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
-        )
-        # Children bound once: label lookups are not free on the hot path.
-        self.events_out_by = {f: self.events_out.labels(f) for f in FAMILIES}
-        self.messages_out_by = {f: self.messages_out.labels(f) for f in (*FAMILIES, "worker")}
         # Bound up front, so every reason shows (as 0) before it first happens;
         # other values are bound on first use.
         self.malformed_by = Children(self.malformed, MALFORMED_REASONS)
-        self.dropped_by = Children(self.dropped, DROPPED_REASONS)
-        self.transformed_by = Children(self.transformed)
+        # The hot path's own, exported by _HotCollector under the same names.
+        self.batches_in = Count()
+        self.events_in = Count()
+        self.batches_out = Count()
+        self.events_out_by = CountBy(FAMILIES)
+        self.messages_out_by = CountBy((*FAMILIES, "worker"))
+        self.dropped_by = CountBy(DROPPED_REASONS)
+        self.transformed_by = CountBy()
+        self.last_seq = LevelBy()
+        self.lag = Buckets(LAG_BUCKETS)
+        r.register(_HotCollector(self))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -273,7 +273,7 @@ class NatsSink:
                 metrics.lag.observe(max(0.0, now - batch.vllm_ts))
                 child = self._last_seq.get(batch.dp_rank)
                 if child is None:
-                    child = self._last_seq[batch.dp_rank] = metrics.last_seq.labels(str(batch.dp_rank))
+                    child = self._last_seq[batch.dp_rank] = metrics.last_seq[str(batch.dp_rank)]
                 child.set(batch.seq)
         for family, n in messages.items():
             metrics.messages_out_by[family].inc(n)
