@@ -77,7 +77,7 @@ class StreamPipeline:
         self._queue = queue
         self._encoder = encoder
         self._metrics = metrics
-        self._decoder = BatchDecoder()
+        self._decoder = BatchDecoder(relay=encoder.format == "msgpack")
         self._normalizer = Normalizer(KindBook(pinned_kinds), keep_placeholders)
         self.subjects = SubjectBook(prefix, worker, plan.dp_rank)
         self._token = worker_token(worker, plan.dp_rank)
@@ -105,6 +105,10 @@ class StreamPipeline:
         # (seq, Nats-Msg-Id): the batch the stream holds only in part, and its last stored message.
         self._resume_partial: tuple[int, str] | None = None
         self._last_live = time.monotonic()
+        # Reused per batch (emptied after each): one less allocation per batch.
+        self._stats = NormalizeStats()
+        self._msg_id_epoch = -1
+        self._msg_id_base = ""
 
     # -- records ---------------------------------------------------------
 
@@ -215,11 +219,17 @@ class StreamPipeline:
             async with anyio.create_task_group() as tg:
                 if self._replay is not None and self._idle_probe_s > 0:
                     tg.start_soon(self._probe_when_idle)
+                queue = self._queue
+                take = self._take_live
                 async for messages in sub.batches():
                     self._last_live = time.monotonic()
                     for parts in messages:
-                        await self._on_live(parts)
-                        if self._queue.full():
+                        # In-order batches are handled without an await; only
+                        # gaps, restarts and resume checks need replay.
+                        pending = take(parts)
+                        if pending is not None:
+                            await self._on_out_of_order(*pending)
+                        if queue.full():
                             await self._backpressure()
         finally:
             sub.close()
@@ -250,15 +260,35 @@ class StreamPipeline:
                 self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=None)
 
     async def _on_live(self, parts: list[bytes]) -> None:
+        """One message from the PUB socket, whatever its seq."""
+        pending = self._take_live(parts)
+        if pending is not None:
+            await self._on_out_of_order(*pending)
+
+    def _take_live(self, parts: list[bytes]) -> tuple[Frame, Verdict | None] | None:
+        """Handles a live message that needs no replay; otherwise returns it
+        with its verdict (None: the first one after an unverified resume)."""
         try:
             frame = parse_pub(parts, self._max_frame_bytes)
         except FrameError as exc:
             self._bad_frame(exc)
-            return
+            return None
         if self._topic_bytes and frame.topic != self._topic_bytes:
             self._metrics.dropped_by["foreign_topic"].inc()
-            return
+            return None
         if self._unverified:
+            return frame, None
+        verdict = self.tracker.classify_live(frame.seq)
+        if verdict is Verdict.ACCEPT:
+            self._emit(frame)
+            return None
+        if verdict is Verdict.DUPLICATE:
+            self._metrics.dropped_by["duplicate"].inc()
+            return None
+        return frame, verdict
+
+    async def _on_out_of_order(self, frame: Frame, verdict: Verdict | None) -> None:
+        if verdict is None:
             # Resumed without a replay answer: a continuing process is already
             # past the stream's last seq, a new one is not.
             self._unverified = False
@@ -266,19 +296,21 @@ class StreamPipeline:
                 self._restart(frame.seq)
                 await self._heal(frame)
                 return
-        verdict = self.tracker.classify_live(frame.seq)
-        if verdict is Verdict.ACCEPT:
-            self._emit(frame)
-        elif verdict is Verdict.DUPLICATE:
-            self._metrics.dropped_by["duplicate"].inc()
-        elif verdict is Verdict.GAP:
-            await self._heal(frame)
-        else:
-            self._restart(frame.seq)
-            if frame.seq == self.tracker.next_wanted():
+            verdict = self.tracker.classify_live(frame.seq)
+            if verdict is Verdict.ACCEPT:
                 self._emit(frame)
-            else:
-                await self._heal(frame)
+                return
+            if verdict is Verdict.DUPLICATE:
+                self._metrics.dropped_by["duplicate"].inc()
+                return
+        if verdict is Verdict.GAP:
+            await self._heal(frame)
+            return
+        self._restart(frame.seq)
+        if frame.seq == self.tracker.next_wanted():
+            self._emit(frame)
+        else:
+            await self._heal(frame)
 
     def _restart(self, seq: int | None) -> None:
         previous = self.tracker.last_emitted
@@ -342,19 +374,28 @@ class StreamPipeline:
             self._log.warning("dp_rank_mismatch", configured=self.ident.dp_rank, batch=batch.dp_rank)
         metrics.events_in.inc(len(batch.events))
         self._last_ts = batch.ts
-        stats = NormalizeStats()
+        stats = self._stats
         items = self._normalizer.normalize(self.ident, frame.seq, batch.ts, batch.events, time.time(), stats)
-        for reason, n in stats.dropped.items():
-            metrics.dropped_by[reason].inc(n)
-        for what, n in stats.transformed.items():
-            metrics.transformed_by[what].inc(n)
-        msg_id_base = f"{self._token}:{self.ident.dp_rank}:{self.ident.epoch}"
+        if stats.dropped:
+            for reason, n in stats.dropped.items():
+                metrics.dropped_by[reason].inc(n)
+            stats.dropped.clear()
+        if stats.transformed:
+            for what, n in stats.transformed.items():
+                metrics.transformed_by[what].inc(n)
+            stats.transformed.clear()
+        epoch = self.ident.epoch
+        if epoch != self._msg_id_epoch:
+            self._msg_id_epoch = epoch
+            self._msg_id_base = f"{self._token}:{self.ident.dp_rank}:{epoch}"
+        msg_id_base = self._msg_id_base
+        limit = self._max_payload()
         out: list[Outgoing] = []
         clears = 0
         unpublishable = False
         for item in items:
             if type(item) is GroupMessage:
-                encoded = self._encode_group(item, msg_id_base)
+                encoded = self._encode_group(item, msg_id_base, limit)
                 if encoded is None:
                     unpublishable = True
                 else:
@@ -366,11 +407,11 @@ class StreamPipeline:
         if self._resume_partial is not None and self._resume_partial[0] == frame.seq:
             out = self._after_last_stored(out, self._resume_partial[1])
             self._resume_partial = None
-        self._queue.put(OutBatch(self.plan.index, self.ident.epoch, frame.seq, batch.ts, out, self.ident.dp_rank))
+        self._queue.put(OutBatch(self.plan.index, epoch, frame.seq, batch.ts, out, self.ident.dp_rank))
         if unpublishable:
             self._announce_gap(frame.seq, frame.seq, "unpublishable")
 
-    def _encode_group(self, msg: GroupMessage, msg_id_base: str) -> list[Outgoing] | None:
+    def _encode_group(self, msg: GroupMessage, msg_id_base: str, limit: int) -> list[Outgoing] | None:
         """The group's slice as NATS messages: several if it exceeds the
         server's max_payload (events split in order, `chunk`/`chunks` say so),
         none (counted, logged, announced as a gap) if it cannot be sent at all."""
@@ -380,7 +421,7 @@ class StreamPipeline:
             # JSON cannot carry what msgpack can (Ext values, non-string keys)
             # in vLLM's free-form extra_keys: forward the events without them.
             for event in msg.events:
-                if type(event) is BlockStored:
+                if isinstance(event, BlockStored):
                     event.extra_keys = None
             self._metrics.transformed_by["extra_keys_dropped"].inc()
             self._log.warning("extra_keys_dropped", seq=msg.seq, group=msg.group, error=str(exc)[:200])
@@ -390,7 +431,6 @@ class StreamPipeline:
                 self._metrics.malformed_by["unencodable"].inc()
                 self._log.warning("unencodable", seq=msg.seq, group=msg.group, error=str(exc2)[:200])
                 return None
-        limit = self._max_payload()
         if len(out.payload) + len(out.head) <= limit:
             return [out]
         pieces = self._split_events(msg, msg_id_base, limit)

@@ -60,3 +60,41 @@ def test_a_payload_that_is_no_batch_raises_a_classified_error() -> None:
             assert exc.reason == "bad_batch"
             continue
         raise AssertionError(f"decoded {payload!r}")
+
+
+def test_relay_keeps_token_ids_as_the_publisher_encoded_them() -> None:
+    from bridge.contract import GroupMessage
+    from bridge.decode.wire import RelayBlockStored
+
+    tokens = [0, 127, 128, 70_000, 2**40]
+    payload = encode_batch(3.0, [stored([b"\x01" * 32], None, tokens, 16, group_idx=0, kind="full_attention")])
+    batch = BatchDecoder(relay=True).decode(payload)
+    event = batch.events[0]
+    assert type(event) is RelayBlockStored and batch.rejected == []
+    assert bytes(event.token_ids) == msgspec.msgpack.encode(tokens)  # type: ignore[arg-type]
+    # What consumers decode from the relayed bytes is what vLLM sent.
+    msg = GroupMessage(v=1, worker="w", dp_rank=0, epoch=1, seq=0, ts=3.0, group=0, kind="full_attention",
+                       family="attention", kind_source="event", events=[event])
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=GroupMessage)
+    assert back.events[0].token_ids == tokens  # type: ignore[union-attr]
+
+
+def test_token_ids_that_are_no_array_cost_only_their_event() -> None:
+    good = stored([b"\x02" * 32], None, [1, 2], 16, group_idx=0, kind="full_attention")
+    bad = msgspec.msgpack.decode(msgspec.msgpack.encode(good))
+    bad["token_ids"] = "not tokens"
+    for relay in (True, False):
+        batch = BatchDecoder(relay=relay).decode(enc([1.0, [bad, good]]))
+        assert len(batch.events) == 1 and batch.events[0].block_hashes == [b"\x02" * 32]
+        assert [reason for reason, _ in batch.rejected] == ["bad_event"]
+
+
+def test_relay_leaves_token_elements_to_the_publisher_json_checks_them() -> None:
+    """The documented trade: relaying token ids undecoded checks that they are
+    an array, not what each element is; the JSON output decodes them and does."""
+    odd = msgspec.msgpack.decode(msgspec.msgpack.encode(stored([b"\x03" * 32], None, [1], 16, group_idx=0)))
+    odd["token_ids"] = [1, "two"]
+    payload = enc([1.0, [odd]])
+    assert len(BatchDecoder(relay=True).decode(payload).events) == 1
+    typed = BatchDecoder(relay=False).decode(payload)
+    assert typed.events == [] and [reason for reason, _ in typed.rejected] == ["bad_event"]

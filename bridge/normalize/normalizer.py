@@ -15,7 +15,7 @@ from bridge.contract import (
     KindSource,
     WorkerRecord,
 )
-from bridge.decode.wire import AllBlocksCleared, BlockStored, Event
+from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, empty_tokens
 from bridge.normalize.kinds import (
     LEGACY_KIND,
     STATE,
@@ -107,7 +107,7 @@ class Normalizer:
         explicit: dict[int, str] = {}
         group0_named = False
         part = 0
-        stored = BlockStored
+        removed = BlockRemoved
         for event in events:
             cls = type(event)
             if cls is AllBlocksCleared:
@@ -132,7 +132,7 @@ class Normalizer:
             if bucket is None:
                 bucket = slices[key] = []
             bucket.append(event)  # type: ignore[arg-type]
-            if cls is stored and key not in explicit:
+            if cls is not removed and key not in explicit:
                 raw = event.kv_cache_spec_kind  # type: ignore[union-attr]
                 if raw is not None:
                     kind = self._clean.get(raw)
@@ -188,11 +188,12 @@ class Normalizer:
         hash before it as parent, whatever else it said."""
         result: list[GroupEvent] = []
         for event in events:
-            if type(event) is BlockStored and len(event.block_hashes) > 1:
+            if isinstance(event, BlockStored) and len(event.block_hashes) > 1:
                 hashes = event.block_hashes
+                cls = type(event)
                 result.append(
-                    BlockStored(
-                        block_hashes=[hashes[-1]], parent_block_hash=hashes[-2], token_ids=[],
+                    cls(
+                        block_hashes=[hashes[-1]], parent_block_hash=hashes[-2], token_ids=empty_tokens(cls),  # type: ignore[arg-type]  # Raw for a relayed store
                         block_size=event.block_size, lora_id=event.lora_id, medium=event.medium,
                         lora_name=event.lora_name, group_idx=event.group_idx,
                         kv_cache_spec_kind=event.kv_cache_spec_kind, locality=event.locality,
@@ -208,13 +209,15 @@ class Normalizer:
         """Window placeholders (block_size=0) name no position: drop, or flag."""
         result: list[GroupEvent] = []
         for event in events:
-            if type(event) is BlockStored and event.block_size == 0:
+            if not isinstance(event, BlockStored):
+                pass
+            elif event.block_size == 0:
                 if not self._keep_placeholders:
                     stats.dropped["window_placeholder"] += 1
                     continue
                 event.placeholder = True
                 stats.transformed["placeholder_flagged"] += 1
-            elif type(event) is BlockStored:
+            else:
                 # the flag is the bridge's word, never the publisher's
                 event.placeholder = False
             result.append(event)

@@ -7,7 +7,30 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client as NatsClient
+
 from bridge.config import Settings
+
+AckHandler = Callable[[bytes, bytes, bytes | None], None]
+
+
+class BridgeClient(NatsClient):
+    """nats-py's client, except that messages for one subscription (the
+    bridge's JetStream ack inbox) go from the protocol parser straight to a
+    plain function: no Msg object, header parse, queue or task per ack.
+    Everything else is nats-py's (auth, TLS, reconnect, resubscribe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ack_sid = -1
+        self.on_ack: AckHandler | None = None
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        on_ack = self.on_ack
+        if sid == self.ack_sid and on_ack is not None:
+            on_ack(subject, data, headers)
+            return
+        await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]  # nats-py passes None too
 
 
 def _read_secret(path: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Final
 
 import msgspec
@@ -41,29 +40,31 @@ class MessageEncoder:
             raise ValueError(f"unknown format {fmt!r}")
         self.format = fmt
         self._encode = msgspec.msgpack.Encoder().encode if fmt == "msgpack" else msgspec.json.Encoder().encode
+        self._static: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
 
     def group(self, msg: GroupMessage, subjects: SubjectBook, msg_id_base: str) -> Outgoing:
         seq = str(msg.seq)
         epoch = str(msg.epoch)
-        kind = msg.kind
         family = msg.family
-        fmt = self.format
+        static = self._static.get((msg.kind, family))
+        if static is None:
+            static = self._static_headers(msg.kind, family)
+        text, fixed = static
         msg_id = f"{msg_id_base}:{seq}:{msg.group}" if msg.part == 0 else f"{msg_id_base}:{seq}:{msg.group}.p{msg.part}"
         if msg.chunks > 1:
             msg_id = f"{msg_id}.c{msg.chunk}"
-        headers = {
-            HDR_MSG_ID: msg_id,
-            HDR_KIND: kind,
-            HDR_FAMILY: family,
-            HDR_SEQ: seq,
-            HDR_EPOCH: epoch,
-            HDR_FORMAT: fmt,
-        }
-        head = (
-            f"NATS/1.0\r\n{HDR_MSG_ID}: {msg_id}\r\n{HDR_KIND}: {kind}\r\n{HDR_FAMILY}: {family}\r\n"
-            f"{HDR_SEQ}: {seq}\r\n{HDR_EPOCH}: {epoch}\r\n{HDR_FORMAT}: {fmt}\r\n\r\n"
-        ).encode()
+        headers = {HDR_MSG_ID: msg_id, **fixed, HDR_SEQ: seq, HDR_EPOCH: epoch}
+        head = f"{text}{HDR_MSG_ID}: {msg_id}\r\n{HDR_SEQ}: {seq}\r\n{HDR_EPOCH}: {epoch}\r\n\r\n".encode()
         return Outgoing(subjects.group(msg.group), self._encode(msg), headers, family, len(msg.events), head)
+
+    def _static_headers(self, kind: str, family: str) -> tuple[str, dict[str, str]]:
+        """What a group message's headers share with every other of its kind:
+        formatted once per kind (the kinds are few and cleaned)."""
+        fixed = {HDR_KIND: kind, HDR_FAMILY: family, HDR_FORMAT: self.format}
+        entry = ("NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fixed.items()), fixed)
+        if len(self._static) < 1024:
+            self._static[(kind, family)] = entry
+        return entry
 
     def record(self, rec: WorkerRecord, subjects: SubjectBook, msg_id: str) -> Outgoing:
         headers = {
@@ -83,18 +84,20 @@ def header_block(headers: dict[str, str]) -> bytes:
     return f"NATS/1.0\r\n{lines}\r\n".encode()
 
 
-def hpub_frames(messages: Iterable[Outgoing]) -> bytes:
+def hpub_frames(messages: list[Outgoing], replies: list[str] | None = None) -> bytes:
     """The NATS `HPUB` commands for `messages`, in order, as one buffer: the
-    bytes nats-py's `publish(subject, payload, headers=...)` writes for each,
-    for a publisher that hands a whole batch to the connection at once.
-    Subjects and header values come from the encoder (escaped tokens, cleaned
-    kinds, numbers), so nats-py's per-message validation has nothing to find."""
+    bytes nats-py's `publish(subject, payload, reply=..., headers=...)` writes
+    for each, for a publisher that hands a whole batch to the connection at
+    once. Subjects and header values come from the encoder (escaped tokens,
+    cleaned kinds, numbers), so nats-py's per-message validation has nothing
+    to find. `replies`, if given, has one reply subject per message."""
     parts: list[bytes] = []
     append = parts.append
-    for msg in messages:
+    for i, msg in enumerate(messages):
         head = msg.head or header_block(msg.headers)
         payload = msg.payload
-        append(f"HPUB {msg.subject} {len(head)} {len(head) + len(payload)}\r\n".encode())
+        reply = f" {replies[i]}" if replies is not None else ""
+        append(f"HPUB {msg.subject}{reply} {len(head)} {len(head) + len(payload)}\r\n".encode())
         append(head)
         append(payload)
         append(b"\r\n")

@@ -1,15 +1,16 @@
 """Publishes queued batches to NATS, core or JetStream, in queue order.
 
-Core NATS: messages go on the connection without a round trip each; nats-py's
-flusher writes them out. JetStream: acks are awaited under a bounded window and
-a failed one is published again with the same Nats-Msg-Id, which the stream
-de-duplicates.
+Both modes write the queued batches as one buffer of HPUB frames into nats-py's
+connection (its flusher sends it): no round trip, future or header encoding per
+message. JetStream frames carry a reply subject; the acks come back to an
+AckWindow of at most --js-max-pending messages, and one that is refused, lost
+with a connection, or late is published again with the same Nats-Msg-Id, which
+the stream de-duplicates.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 import anyio
@@ -24,7 +25,8 @@ from nats.aio.client import Client as NatsClient
 from bridge.config import Settings
 from bridge.observe.health import Health
 from bridge.observe.metrics import Metrics
-from bridge.sink.connection import connect_options
+from bridge.sink.acks import AckWindow
+from bridge.sink.connection import BridgeClient, connect_options
 from bridge.sink.encode import Outgoing, hpub_frames
 from bridge.sink.queue import BatchQueue, OutBatch
 
@@ -58,8 +60,7 @@ class NatsSink:
         self.nc: NatsClient | None = None
         self.js: nats.js.JetStreamContext | None = None
         self._connected = anyio.Event()
-        # (ack future, message, connection generation it was sent on)
-        self._window: deque[tuple[Any, Outgoing, int]] = deque()
+        self._acks = AckWindow()
         # +1 per reconnect: an ack owed from an earlier connection never comes.
         self._generation = 0
         self.published_batches = 0
@@ -106,16 +107,21 @@ class NatsSink:
                 # Bounded: nats-py 2.16 can wait forever on a failed TLS handshake
                 # (nats-io/nats.py#718); a fresh client on the next attempt recovers.
                 with anyio.fail_after(_CONNECT_ATTEMPT_S):
-                    self.nc = await nats.connect(**opts)
+                    nc = BridgeClient()
+                    await nc.connect(**opts)
+                    self.nc = nc
                 break
             except Exception as exc:  # nats-py raises many kinds here; all mean "not yet"
                 log.warning("nats_connect_failed", error=type(exc).__name__, detail=str(exc)[:200], retry_in=delay)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if self._settings.jetstream:
-            # Our window (js_max_pending) is the limit; nats-py's semaphore gets
-            # headroom so publish_async never waits on it (see _publish_js).
-            self.js = self.nc.jetstream(publish_async_max_pending=2 * self._settings.js_max_pending + 1024)
+            self.js = nc.jetstream()
+            # Acks for the window's reply subjects; nats-py re-subscribes after a reconnect.
+            self._acks = AckWindow(nc.new_inbox())
+            sub = await nc.subscribe(f"{self._acks.inbox}.*")
+            nc.ack_sid = sub._id  # noqa: SLF001
+            nc.on_ack = self._acks.on_ack
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
         self._connected.set()
@@ -127,16 +133,15 @@ class NatsSink:
         """Publishes until cancelled."""
         queue = self._queue
         metrics = self._metrics
+        acks = self._acks
+        js = self._settings.jetstream
         while True:
-            if self._window:
-                # JetStream acks outstanding: a quiet queue must not leave them
-                # unsettled (a lost ack is only noticed, and the message
-                # republished, when it is settled).
+            if js and len(acks):
+                # Acks outstanding: a quiet queue must not leave a lost or late
+                # one unnoticed (it is published again once overdue).
+                await self._resend_overdue()
                 with anyio.move_on_after(0.05):
                     await queue.wait()
-                if not len(queue):
-                    await self._settle_window()
-                    continue
             else:
                 await queue.wait()
             batch = queue.peek()
@@ -145,24 +150,15 @@ class NatsSink:
             if self.nc is None or not self.nc.is_connected:
                 await self._connected.wait()
                 continue
-            if self._window and self._window[0][2] != self._generation:
-                # Messages in flight when the connection broke go again first,
-                # so the stream keeps the bridge's order.
-                await self._settle_window()
-                continue
             try:
-                if self.js is not None:
-                    # Off the queue before the first await: an overflow while
-                    # this publish waits can only drop batches not handed over.
-                    queue.pop()
-                    try:
-                        await self._publish_js(batch)
-                    except BaseException:
-                        queue.requeue([batch])
-                        raise
-                    self._account([batch])
-                else:
-                    await self._publish_core(batch)
+                if js:
+                    await self._resend_overdue()
+                    if len(acks) >= self._settings.js_max_pending:
+                        # Let acks catch up to half the window, then publish on
+                        # in bulk: one write per many messages.
+                        await acks.wait_below(self._settings.js_max_pending // 2, 0.05)
+                        continue
+                await self._publish(batch)
             except _RETRYABLE as exc:
                 metrics.publish_errors.inc()
                 log.warning("publish_retry", error=type(exc).__name__, detail=str(exc)[:200])
@@ -170,74 +166,72 @@ class NatsSink:
                 continue
             metrics.queue_depth.set(len(queue))
 
-    async def _settle_window(self) -> None:
-        while self._window:
-            await self._settle_oldest()
-
-    async def _publish_core(self, first: OutBatch) -> None:
-        """Every batch queued now, as one write of HPUB frames into nats-py's
-        pending buffer (its flusher sends it): no per-message publish() call,
-        header encoding or validation. Batches leave the queue before the
-        await, so an overflow while NATS is frozen can only drop batches that
-        were never handed over."""
+    async def _publish(self, first: OutBatch) -> None:
+        """Every batch queued now (within bounds and, for JetStream, the ack
+        window's room), as one write of HPUB frames into nats-py's pending
+        buffer. Batches leave the queue before the await, so an overflow while
+        NATS is frozen can only drop batches that were never handed over."""
         nc = self.nc
         assert nc is not None
         if nc.is_closed:
             raise nats.errors.ConnectionClosedError
         queue = self._queue
+        room = self._settings.js_max_pending - len(self._acks) if self._settings.jetstream else 1 << 30
         batches = [first]
         queue.pop()
-        size = sum(len(m.payload) for m in first.messages)
-        while size < _CORE_WRITE_BYTES and len(batches) < _CORE_WRITE_BATCHES:
+        size = 0
+        count = len(first.messages)
+        for msg in first.messages:
+            size += len(msg.payload)
+        while size < _CORE_WRITE_BYTES and len(batches) < _CORE_WRITE_BATCHES and count < room:
             batch = queue.peek()
             if batch is None:
                 break
             queue.pop()
             batches.append(batch)
-            size += sum(len(m.payload) for m in batch.messages)
+            count += len(batch.messages)
+            for msg in batch.messages:
+                size += len(msg.payload)
+        if self._settings.jetstream:
+            acks = self._acks
+            generation = self._generation
+            now = time.monotonic()
+            replies = [acks.reply_to(m, generation, now) for b in batches for m in b.messages]
+            data = hpub_frames([m for b in batches for m in b.messages], replies)
+        else:
+            replies = []
+            data = hpub_frames([m for b in batches for m in b.messages])
         try:
-            await nc._send_command(hpub_frames(m for b in batches for m in b.messages))  # noqa: SLF001
+            await nc._send_command(data)  # noqa: SLF001
         except BaseException:
             # Not handed over (outbound buffer full, connection closing): back
             # to the head of the queue, in order, for the retry.
+            if replies:
+                self._acks.forget_since(replies[0])
             queue.requeue(batches)
             raise
         if nc._flush_queue is not None and nc._flush_queue.empty():  # noqa: SLF001 - as nc.publish does
             await nc._flush_pending()  # noqa: SLF001
         self._account(batches)
 
-    async def _publish_js(self, batch: OutBatch) -> None:
-        js = self.js
-        assert js is not None
-        window = self._window
-        for msg in batch.messages:
-            # wait_stall=None: nats-py wraps a timed semaphore wait in a task and
-            # always yields, which makes every message its own socket write.
-            future = await js.publish_async(msg.subject, msg.payload, headers=msg.headers)
-            window.append((future, msg, self._generation))
-        while window and window[0][0].done():
-            await self._settle_oldest()
-        if len(window) > self._settings.js_max_pending:
-            # Let acks catch up to half the window, then publish on in bulk:
-            # one write per many messages instead of one per ack.
-            while len(window) > self._settings.js_max_pending // 2:
-                await self._settle_oldest()
-
-    async def _settle_oldest(self) -> None:
-        future, msg, generation = self._window.popleft()
-        try:
-            if future.done():
-                future.result()  # the ack, or the error that replaced it
-            elif generation != self._generation:
-                raise ConnectionError("sent before a reconnect; its ack is lost")
-            else:
-                with anyio.fail_after(self._settings.js_ack_timeout):
-                    await future
+    async def _resend_overdue(self) -> None:
+        """Refused, late, or sent on a connection since lost: published again,
+        each awaiting its ack, before anything new (the stream keeps the
+        bridge's order)."""
+        acks = self._acks
+        if not acks.failed and acks.oldest_age(time.monotonic()) < self._settings.js_ack_timeout and (
+            not len(acks) or acks.first_generation() == self._generation
+        ):
             return
-        except Exception as exc:  # a lost or negative ack: publish it again, same Msg-Id
+        while acks.failed:
+            msg, error = acks.failed.popleft()
             self._metrics.publish_errors.inc()
-            log.warning("js_ack_failed", subject=msg.subject, error=type(exc).__name__)
-        await self._republish(msg)
+            log.warning("js_ack_failed", subject=msg.subject, error=error[:200])
+            await self._republish(msg)
+        for msg in acks.overdue(time.monotonic(), self._settings.js_ack_timeout, self._generation):
+            self._metrics.publish_errors.inc()
+            log.warning("js_ack_failed", subject=msg.subject, error="no ack (timeout or reconnect)")
+            await self._republish(msg)
 
     async def _republish(self, msg: Outgoing) -> None:
         js = self.js
@@ -288,7 +282,9 @@ class NatsSink:
         """Everything queued out, JetStream acks in, bytes on the wire."""
         while len(self._queue):
             await anyio.sleep(0.01)
-        await self._settle_window()
+        while len(self._acks) or self._acks.failed:
+            await self._resend_overdue()
+            await self._acks.wait_below(0, 0.05)
         if self.nc is not None and self.nc.is_connected:
             await self.nc.flush(timeout=5)
 

@@ -1,0 +1,123 @@
+"""JetStream publishes awaiting their PubAck, by the reply token each went out with.
+
+The bridge writes JetStream publishes as raw HPUB frames, a whole queue's worth
+per socket write, each with the reply subject `<inbox>.<token>`; the server's
+PubAck comes back on that subject and is matched here by token. No future,
+task or JSON parse per message: that bookkeeping in nats-py's publish_async
+cost more than everything else the bridge does per message.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import anyio
+
+from bridge.sink.encode import Outgoing
+
+# A PubAck is `{"stream":...,"seq":...}` (maybe `"duplicate":true`); a refusal
+# is `{"error":{...}}`. Nothing else has to be read to tell them apart.
+_ERROR_KEY = b'"error"'
+
+
+def ack_error(data: bytes, headers: bytes | None) -> str | None:
+    """None for a PubAck; else why the server did not store the message."""
+    if headers and headers[8:9] == b" ":
+        # An inline status (`NATS/1.0 503\r\n\r\n`): no stream took the subject.
+        return f"status {bytes(headers[9:12]).decode(errors='replace')}"
+    if _ERROR_KEY in data[:16]:
+        return bytes(data[:200]).decode(errors="replace")
+    if not data.startswith(b"{"):
+        return "not a PubAck"
+    return None
+
+
+class _Pending:
+    __slots__ = ("generation", "msg", "sent")
+
+    def __init__(self, msg: Outgoing, generation: int, sent: float) -> None:
+        self.msg = msg
+        self.generation = generation
+        self.sent = sent
+
+
+class AckWindow:
+    """In send order: what was published and not yet acked. A refused message
+    waits in `failed` for the publisher to send again (same Nats-Msg-Id, which
+    the stream de-duplicates)."""
+
+    def __init__(self, inbox: str = "") -> None:
+        self.inbox = inbox
+        self._prefix_len = len(inbox) + 1
+        # Insertion order is send order: the first entry is the oldest.
+        self._pending: dict[int, _Pending] = {}
+        self._next = 0
+        self.failed: deque[tuple[Outgoing, str]] = deque()
+        self._low_water = 0
+        self._room: anyio.Event | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def reply_to(self, msg: Outgoing, generation: int, now: float) -> str:
+        """Registers `msg` as sent; the reply subject its ack will come back on."""
+        token = self._next
+        self._next = token + 1
+        self._pending[token] = _Pending(msg, generation, now)
+        return f"{self.inbox}.{token}"
+
+    def forget_since(self, reply: str) -> None:
+        """A write that never reached the connection: its messages are not in flight."""
+        first = int(reply[self._prefix_len:])
+        for token in [t for t in self._pending if t >= first]:
+            del self._pending[token]
+
+    def on_ack(self, subject: bytes, data: bytes, headers: bytes | None) -> None:
+        """From the connection's parser, for every message on `<inbox>.*`."""
+        try:
+            token = int(subject[self._prefix_len:])
+        except ValueError:
+            return
+        entry = self._pending.pop(token, None)
+        if entry is None:
+            return  # settled already: sent again after a timeout or a reconnect
+        error = ack_error(data, headers)
+        if error is not None:
+            self.failed.append((entry.msg, error))
+        if self._room is not None and (len(self._pending) <= self._low_water or self.failed):
+            self._room.set()
+
+    def overdue(self, now: float, timeout: float, generation: int) -> list[Outgoing]:
+        """Takes out, oldest first, what will not be acked: sent on an earlier
+        connection, or waiting longer than `timeout`."""
+        out: list[Outgoing] = []
+        pending = self._pending
+        while pending:
+            token = next(iter(pending))
+            entry = pending[token]
+            if entry.generation == generation and now - entry.sent < timeout:
+                break
+            del pending[token]
+            out.append(entry.msg)
+        return out
+
+    def first_generation(self) -> int:
+        """The connection generation the oldest message in flight was sent on."""
+        return next(iter(self._pending.values())).generation if self._pending else -1
+
+    def oldest_age(self, now: float) -> float:
+        if not self._pending:
+            return 0.0
+        return now - next(iter(self._pending.values())).sent
+
+    async def wait_below(self, low_water: int, timeout: float) -> None:
+        """Until at most `low_water` are in flight, a refusal came, or `timeout`."""
+        if len(self._pending) <= low_water or self.failed:
+            return
+        self._low_water = low_water
+        self._room = anyio.Event()
+        try:
+            with anyio.move_on_after(timeout):
+                await self._room.wait()
+        finally:
+            self._room = None

@@ -1,0 +1,58 @@
+"""The publisher writes HPUB frames itself: their bytes must be what NATS and
+nats-py would make of the same subject, reply and headers."""
+
+from __future__ import annotations
+
+from bridge.contract import GroupMessage, WorkerRecord
+from bridge.sink.encode import MessageEncoder, Outgoing, hpub_frames
+from bridge.sink.subjects import SubjectBook
+
+
+def _parse_head(head: bytes) -> dict[str, str]:
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "NATS/1.0" and lines[-2:] == ["", ""]
+    return dict(line.split(": ", 1) for line in lines[1:-2])
+
+
+def _group(kind: str, family: str, seq: int, part: int = 0) -> GroupMessage:
+    return GroupMessage(v=1, worker="w", dp_rank=0, epoch=9, seq=seq, ts=1.0, group=2, kind=kind, family=family,
+                        kind_source="event", events=[], part=part)
+
+
+def test_prebuilt_head_carries_exactly_the_headers() -> None:
+    enc = MessageEncoder("msgpack")
+    book = SubjectBook("kv", "w", 0)
+    outs = [enc.group(_group("mamba", "state", seq), book, "w:0:9") for seq in (1, 2)]
+    outs.append(enc.group(_group("full_attention", "attention", 3, part=1), book, "w:0:9"))
+    rec = WorkerRecord(v=1, worker="w", dp_rank=0, epoch=9, type="gap", ts=1.0, gap_from=1, gap_to=2)
+    outs.append(enc.record(rec, book, "w:0:9:1-2:worker:gap"))
+    for out in outs:
+        assert _parse_head(out.head) == out.headers
+    assert outs[0].headers["Nats-Msg-Id"] == "w:0:9:1:2" and outs[1].headers["Kvb-Seq"] == "2"
+    assert outs[2].headers["Nats-Msg-Id"] == "w:0:9:3:2.p1" and outs[2].headers["Kvb-Kind"] == "full_attention"
+
+
+def _parse_frames(data: bytes) -> list[tuple[list[str], dict[str, str], bytes]]:
+    out = []
+    while data:
+        line, _, data = data.partition(b"\r\n")
+        op, *args = line.decode().split(" ")
+        assert op == "HPUB"
+        hdr_len, total = int(args[-2]), int(args[-1])
+        head, payload, rest = data[:hdr_len], data[hdr_len:total], data[total:]
+        assert rest[:2] == b"\r\n"
+        out.append((args[:-2], _parse_head(head), payload))
+        data = rest[2:]
+    return out
+
+
+def test_hpub_frames_with_and_without_reply_subjects() -> None:
+    enc = MessageEncoder("json")
+    book = SubjectBook("kv", "w", 3)
+    msgs: list[Outgoing] = [enc.group(_group("mamba", "state", seq), book, "w:3:9") for seq in range(3)]
+    plain = _parse_frames(hpub_frames(msgs))
+    assert [args for args, _, _ in plain] == [[book.group(2)]] * 3
+    assert [payload for _, _, payload in plain] == [m.payload for m in msgs]
+    replied = _parse_frames(hpub_frames(msgs, ["_INBOX.x.0", "_INBOX.x.1", "_INBOX.x.2"]))
+    assert [args for args, _, _ in replied] == [[book.group(2), f"_INBOX.x.{i}"] for i in range(3)]
+    assert [headers for _, headers, _ in replied] == [m.headers for m in msgs]
