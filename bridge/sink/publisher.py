@@ -252,27 +252,24 @@ class NatsSink:
     def _account(self, batches: list[OutBatch]) -> None:
         metrics = self._metrics
         self.published_batches += len(batches)
-        messages: dict[str, int] = {}
-        events: dict[str, int] = {}
+        messages_out = metrics.messages_out_by
+        events_out = metrics.events_out_by
+        lag = metrics.lag
         now = time.time()
         vllm_batches = 0
         for batch in batches:
             for msg in batch.messages:
                 family = msg.family
-                messages[family] = messages.get(family, 0) + 1
+                messages_out[family].value += 1
                 if msg.events:
-                    events[family] = events.get(family, 0) + msg.events
+                    events_out[family].value += msg.events
             if batch.seq >= 0:
                 vllm_batches += 1
-                metrics.lag.observe(max(0.0, now - batch.vllm_ts))
+                lag.observe(max(0.0, now - batch.vllm_ts))
                 child = self._last_seq.get(batch.dp_rank)
                 if child is None:
                     child = self._last_seq[batch.dp_rank] = metrics.last_seq[str(batch.dp_rank)]
-                child.set(batch.seq)
-        for family, n in messages.items():
-            metrics.messages_out_by[family].inc(n)
-        for family, n in events.items():
-            metrics.events_out_by[family].inc(n)
+                child.value = batch.seq
         if vllm_batches:
             metrics.batches_out.inc(vllm_batches)
 
