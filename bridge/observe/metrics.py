@@ -123,6 +123,7 @@ class _HotCollector(Collector):
                           m.dropped_by)
         yield _counter_by("kvbridge_transformed", "Events changed by normalization, by what was done.", "what",
                           m.transformed_by)
+        yield GaugeMetricFamily("kvbridge_queue_depth", "Batches waiting for NATS.", value=m.queue_depth.value)
         seq = GaugeMetricFamily("kvbridge_last_seq", "Last vLLM seq handed to NATS.", labels=["dp_rank"])
         for rank, level in sorted(m.last_seq.items()):
             seq.add_metric([rank], level.value)
@@ -161,7 +162,6 @@ class Metrics:
             "kvbridge_replayed_batches_total", "Batches recovered through replay.", registry=r
         )
         self.restarts = Counter("kvbridge_restarts_total", "vLLM publisher restarts seen (seq went back).", registry=r)
-        self.queue_depth = Gauge("kvbridge_queue_depth", "Batches waiting for NATS.", registry=r)
         self.nats_connected = Gauge("kvbridge_nats_connected", "1 while connected to NATS.", registry=r)
         self.nats_reconnects = Counter("kvbridge_nats_reconnects_total", "NATS reconnections.", registry=r)
         self.nats_disconnects = Counter("kvbridge_nats_disconnects_total", "NATS disconnections.", registry=r)
@@ -180,6 +180,7 @@ class Metrics:
         self.dropped_by = CountBy(DROPPED_REASONS)
         self.transformed_by = CountBy()
         self.last_seq = LevelBy()
+        self.queue_depth = Level()
         self.lag = Buckets(LAG_BUCKETS)
         r.register(_HotCollector(self))
 
