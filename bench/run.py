@@ -97,7 +97,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         pool_events=3_000 if smoke else 60_000,
         latency_rate=args.latency_rate,
         latency_s=args.latency_seconds or (0.4 if smoke else 3.0),
-        latency_repeats=args.latency_repeats or (1 if smoke else 3),
+        latency_repeats=args.latency_repeats or (1 if smoke else 5),
         overload_rate=args.overload_rate,
         overload_s=args.overload_seconds or (1.0 if smoke else 8.0),
         # The overload run reuses a throughput pool: 64 events, or the middle size asked for.

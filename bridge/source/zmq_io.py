@@ -14,8 +14,17 @@ import zmq
 _WAIT_BOUND_S = 0.05
 
 
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def readable(sock: zmq.Socket[bytes]) -> bool:
+    """A message is queued (this also re-arms ZMQ's edge-triggered FD)."""
+    return bool(sock.get(_EVENTS) & _POLLIN)  # type: ignore[operator]  # EVENTS is an int option
+
+
 async def wait_readable(sock: zmq.Socket[bytes]) -> None:
-    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator,arg-type]
+    if readable(sock):
         return
     with anyio.move_on_after(_WAIT_BOUND_S):
         await anyio.wait_readable(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
