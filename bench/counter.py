@@ -6,12 +6,22 @@ SUB, MSG/HMSG, PING/PONG) and decodes only what it counts: a group message's
 message's `ts`. The instrument must cost far less than what it measures on a
 2-core machine; nats-py's general-purpose client costs several times more per
 message.
+
+Arrival is the kernel's receive timestamp of the data that completed a
+message (`SO_TIMESTAMPNS`, Linux): delivery by NATS, not the moment this
+Python process got scheduled to look at it (which on a busy 2-core machine
+can be milliseconds later and would be the instrument's delay, not the
+bridge's). It is the newest segment of each read, so never earlier than the
+true arrival. Elsewhere it falls back to the clock at read time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
+import sys
 import time
 
 import msgspec
@@ -31,6 +41,12 @@ class _NaiveLight(msgspec.Struct):
     seq: int
 
 
+# Linux: SO_TIMESTAMPNS == SCM_TIMESTAMPNS; the value is a struct timespec.
+_SO_TIMESTAMPNS = 35
+_TIMESPEC = struct.Struct("@qq")
+_READ_BYTES = 1 << 20
+
+
 class Counter(asyncio.Protocol):
     """Counts events arriving on `subject`. `naive=True`: one JSON event per message."""
 
@@ -41,6 +57,8 @@ class Counter(asyncio.Protocol):
         self._record = msgspec.msgpack.Decoder(WorkerRecord).decode
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
+        self._sock: socket.socket | None = None
+        self._arrival: float | None = None  # kernel receive time of the data being parsed
         self._pong = asyncio.Event()
         self.errors: list[str] = []
         self.records: dict[str, int] = {}
@@ -64,7 +82,10 @@ class Counter(asyncio.Protocol):
 
     async def connect(self, host: str, port: int, subject: str) -> None:
         loop = asyncio.get_running_loop()
-        await loop.create_connection(lambda: self, host, port)
+        if sys.platform == "linux":
+            await self._connect_timestamped(loop, host, port)
+        else:
+            await loop.create_connection(lambda: self, host, port)
         assert self._transport is not None
         connect = {"verbose": False, "pedantic": False, "headers": True, "no_responders": False,
                    "protocol": 1, "name": "kvb-bench-counter", "lang": "python-raw", "version": "0"}
@@ -85,8 +106,43 @@ class Counter(asyncio.Protocol):
         return True
 
     def close(self) -> None:
-        if self._transport is not None:
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        elif self._transport is not None:
             self._transport.close()
+
+    async def _connect_timestamped(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, port))
+        self._sock = sock
+        self._transport = _SocketWriter(sock)  # type: ignore[assignment]
+        loop.add_reader(sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        assert self._sock is not None
+        try:
+            data, anc, _flags, _addr = self._sock.recvmsg(_READ_BYTES, socket.CMSG_SPACE(_TIMESPEC.size))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.connection_lost(exc)
+            self.close()
+            return
+        if not data:
+            self.connection_lost(None)
+            self.close()
+            return
+        self._arrival = None
+        for level, kind, value in anc:
+            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(value) >= _TIMESPEC.size:
+                sec, nsec = _TIMESPEC.unpack_from(value)
+                self._arrival = sec + nsec * 1e-9
+        self.data_received(data)
 
     # -- protocol --------------------------------------------------------
 
@@ -134,7 +190,7 @@ class Counter(asyncio.Protocol):
             del buf[:pos]
 
     def _on_msg(self, subject: bytes, headers: memoryview, payload: memoryview) -> None:
-        now = time.time()
+        now = self._arrival or time.time()
         if subject.endswith(b".worker"):
             rec = self._record(payload)
             self.records[rec.type] = self.records.get(rec.type, 0) + 1
@@ -158,3 +214,20 @@ class Counter(asyncio.Protocol):
             self.latency.add(now - light.ts, n)
         if self.events >= self.expect:
             self.done.set()
+
+
+class _SocketWriter:
+    """The little the counter writes (CONNECT, SUB, PING, PONG) on its own socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def write(self, data: bytes) -> None:
+        self._sock.setblocking(True)
+        try:
+            self._sock.sendall(data)
+        finally:
+            self._sock.setblocking(False)
+
+    def close(self) -> None:
+        self._sock.close()
