@@ -62,6 +62,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
     Option("--max-frame-bytes", "int", 16 * 1024 * 1024, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped."),
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
+    Option("--max-buffered-bytes", "int", 256 * 1024 * 1024, "Encoded bytes held in memory the same way (the bound for large batches); 0 for none."),
     Option("--zmq-rcvhwm", "int", 100000, "ZMQ SUB receive high-water mark (messages)."),
     Option("--replay-timeout", "float", 2.0, "Seconds to wait for a replay answer."),
     Option("--idle-probe-interval", "float", 2.0, "While a publisher is quiet, ask its replay socket this often for batches lost at the tail (0: never)."),
@@ -106,6 +107,7 @@ class Settings(msgspec.Struct, frozen=True):
     keep_placeholders: bool
     max_frame_bytes: int
     max_buffered_batches: int
+    max_buffered_bytes: int
     zmq_rcvhwm: int
     replay_timeout: float
     idle_probe_interval: float
@@ -336,6 +338,8 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     values["group_kind"] = kinds
     check(values["max_frame_bytes"] >= 1024, "--max-frame-bytes", "must be at least 1024")
     check(values["max_buffered_batches"] >= 1, "--max-buffered-batches", "must be at least 1")
+    check(values["max_buffered_bytes"] == 0 or values["max_buffered_bytes"] >= 1024 * 1024,
+          "--max-buffered-bytes", "must be 0 (no bound) or at least 1 MiB")
     check(values["replay_timeout"] > 0, "--replay-timeout", "must be positive")
     check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
     check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")

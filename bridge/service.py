@@ -45,7 +45,7 @@ class Bridge:
         self._registry: WorkerRegistry | None = None
         self.queue = CatalogQueue(
             self.catalog, settings.max_buffered_batches, self._gap_batch,
-            self.metrics.dropped_by["queue_overflow"].inc,
+            self.metrics.dropped_by["queue_overflow"].inc, settings.max_buffered_bytes,
         )
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health)
         self._subscribed = 0

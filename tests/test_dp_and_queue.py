@@ -80,3 +80,32 @@ def test_full_queue_drops_oldest_and_announces_the_range_first() -> None:
         q.pop()
     assert order == ["gap", "rec", 4, 5]
     assert [(m.first, m.last) for m in made] == [(0, 3)]
+
+
+def test_byte_bound_drops_the_oldest_batches_and_announces_them() -> None:
+    """Large batches bound the queue by bytes long before by count: memory stays
+    within --max-buffered-bytes (plus the batch being added), losses are named."""
+    made: list[LostRange] = []
+
+    def make_gap(lost: LostRange) -> OutBatch:
+        made.append(lost)
+        return OutBatch(lost.stream, lost.epoch, -1, 0.0, [Outgoing("gap", b"", {}, "worker", 0)])
+
+    def big(seq: int) -> OutBatch:
+        return OutBatch(0, 1, seq, 0.0, [Outgoing("s", b"x" * 3000, {}, "attention", 1, b"h" * 100)])
+
+    q = BatchQueue(1000, make_gap, max_bytes=10_000)
+    for seq in range(3):
+        q.put(big(seq))
+    assert not q.full() and q.bytes == 9_300 and q.dropped == 0
+    q.put(big(3))
+    assert q.full() and q.bytes == 12_400 and q.dropped == 0  # over by the newest batch only
+    q.put(big(4))
+    q.put(big(5))
+    assert q.dropped == 2 and q.bytes <= 10_000 + 3_100
+    seqs = []
+    while (item := q.peek()) is not None:
+        seqs.append(item.seq)
+        q.pop()
+    assert seqs == [-1, 2, 3, 4, 5] and [(g.first, g.last) for g in made] == [(0, 1)]
+    assert q.bytes == 0 and not q.full()

@@ -1,8 +1,9 @@
 """The bounded buffer between ZMQ and NATS.
 
-Policy when full: the oldest batch goes, its (stream, seq) joins a lost range,
-and before that stream's next batch a `gap` record names the range. Memory
-stays bounded however long NATS is away; every loss is announced.
+Policy when full (too many batches, or too many bytes): the oldest batch goes,
+its (stream, seq) joins a lost range, and before that stream's next batch a
+`gap` record names the range. Memory stays bounded however long NATS is away
+and however large vLLM's batches are; every loss is announced.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class OutBatch(msgspec.Struct, gc=False):
     vllm_ts: float
     messages: list[Outgoing]
     dp_rank: int = 0
+    # Encoded bytes held (payloads and headers); counted by the queue on put.
+    nbytes: int = -1
 
 
 class LostRange(msgspec.Struct, gc=False):
@@ -40,9 +43,23 @@ def _ignore() -> None:
     return None
 
 
+def _size(batch: OutBatch) -> int:
+    if batch.nbytes < 0:
+        n = 0
+        for msg in batch.messages:
+            n += len(msg.payload) + len(msg.head)
+        batch.nbytes = n
+    return batch.nbytes
+
+
 class BatchQueue:
-    def __init__(self, max_batches: int, make_gap: GapMaker, on_drop: Callable[[], None] = _ignore) -> None:
+    def __init__(
+        self, max_batches: int, make_gap: GapMaker, on_drop: Callable[[], None] = _ignore, max_bytes: int = 0
+    ) -> None:
         self._max = max_batches
+        # 0: no byte bound.
+        self._max_bytes = max_bytes or (1 << 62)
+        self.bytes = 0
         self._on_drop = on_drop
         self._items: deque[OutBatch] = deque()
         self._lost: dict[tuple[int, int], LostRange] = {}
@@ -60,18 +77,24 @@ class BatchQueue:
         """Never blocks: the ZMQ side must keep reading or vLLM's PUB drops silently."""
         if len(self._items) >= self._max:
             self._drop_oldest()
+        # Full by bytes: make room first, so the bound holds to within this one
+        # batch, and a queue the pipeline keeps below it (backpressure) loses nothing.
+        while self.bytes >= self._max_bytes and self._drop_oldest():
+            pass
         self._items.append(batch)
-        if self._full_since is None and len(self._items) >= self._max:
+        self.bytes += _size(batch)
+        if self._full_since is None and self.full():
             self._full_since = time.monotonic()
         self._event.set()
 
-    def _drop_oldest(self) -> None:
+    def _drop_oldest(self) -> bool:
         # Records (seq < 0) are small and carry losses or restarts: they stay.
         index = next((i for i, item in enumerate(self._items) if item.seq >= 0), None)
         if index is None:
-            return
+            return False
         old = self._items[index]
         del self._items[index]
+        self.bytes -= _size(old)
         self.dropped += 1
         self._on_drop()
         key = (old.stream, old.epoch)
@@ -81,6 +104,7 @@ class BatchQueue:
         else:
             lost.first = min(lost.first, old.seq)
             lost.last = max(lost.last, old.seq)
+        return True
 
     def peek(self) -> OutBatch | None:
         """The next batch to publish. Gap records for dropped ranges come first:
@@ -89,12 +113,13 @@ class BatchQueue:
             key = next(iter(self._lost))
             gap = self._make_gap(self._lost.pop(key))
             self._items.appendleft(gap)
+            self.bytes += _size(gap)
         return self._items[0] if self._items else None
 
     def pop(self) -> None:
-        self._items.popleft()
+        self.bytes -= _size(self._items.popleft())
         self._full_since = None
-        if len(self._items) < self._max:
+        if not self.full():
             self._room.set()
 
     def progressing(self, within: float) -> bool:
@@ -103,7 +128,7 @@ class BatchQueue:
         return self._full_since is None or time.monotonic() - self._full_since < within
 
     def full(self) -> bool:
-        return len(self._items) >= self._max
+        return len(self._items) >= self._max or self.bytes >= self._max_bytes
 
     async def wait_for_room(self, timeout: float) -> None:
         """Until the sink takes a batch (or `timeout` passes)."""
@@ -116,6 +141,8 @@ class BatchQueue:
     def requeue(self, batches: list[OutBatch]) -> None:
         """Batches taken for a write that failed go back to the front, in order."""
         self._items.extendleft(reversed(batches))
+        for batch in batches:
+            self.bytes += _size(batch)
         self._event.set()
 
     async def wait(self) -> None:

@@ -134,15 +134,15 @@ async def test_nats_killed_and_restarted_jetstream_mode(restartable_nats: NatsSe
     assert fig.out_of_order == 0 and fig.wrong_seq == 0 and fig.gap_records == 0
 
 
-async def _freeze(server: NatsServerProcess, name: str):  # type: ignore[no-untyped-def]
+async def _freeze(server: NatsServerProcess, name: str, **bound: str):  # type: ignore[no-untyped-def]
     """SIGSTOP: the server accepts connections but reads nothing. The bridge's
     socket and nats-py's pending buffer fill, publishing blocks, and the bounded
-    queue (40 batches) drops its oldest batches. Then SIGCONT."""
+    queue (`bound`: 40 batches by default) drops its oldest batches. Then SIGCONT."""
+    bound = bound or {"max_buffered_batches": "40"}
     await capture_stream(server.url)
     pub_ep, replay_ep = endpoints()
     pub = WirePublisher(_bind(pub_ep), _bind(replay_ep))
-    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[server.url],
-                             max_buffered_batches="40")
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[server.url], **bound)
     # ~60 kB per batch, 400 a second: 600 batches are 36 MB, far beyond nats-py's
     # 8 MB pending buffer plus the loopback socket buffers
     pad, frozen_batches = 20_000, 600 * (3 if soak() else 1)
@@ -166,7 +166,7 @@ async def _freeze(server: NatsServerProcess, name: str):  # type: ignore[no-unty
         pub.close()
     sent = 40 + frozen_batches
     return account(name, {0: sent}, await read_stream(server.url, "FAULT_CAPTURE"),
-                   notes=f"bound=40 queue_overflow_metric={overflow:.0f} gap_batches_metric={gap_metric:.0f}")
+                   notes=f"bound={bound} queue_overflow_metric={overflow:.0f} gap_batches_metric={gap_metric:.0f}")
 
 
 async def test_nats_frozen_past_the_buffer_bound(restartable_nats: NatsServerProcess) -> None:
@@ -181,6 +181,19 @@ async def test_nats_frozen_past_the_buffer_bound(restartable_nats: NatsServerPro
     assert fig.gap_records >= 1
     assert fig.out_of_order == 0 and fig.wrong_seq == 0 and fig.partial == 0
     assert fig.duplicated == 0
+    assert fig.unannounced == 0, f"losses without a gap record: {fig.lost_seqs}"
+    assert fig.overannounced == 0, "a gap record names a batch that was published"
+
+
+async def test_nats_frozen_past_the_byte_bound(restartable_nats: NatsServerProcess) -> None:
+    """The same freeze bounded by bytes (2 MiB, about 35 of these 60 kB
+    batches) with a batch bound far away: large batches shed by size, each loss
+    named, nothing else lost."""
+    fig = await _freeze(restartable_nats, "nats_sigstop_past_byte_bound",
+                        max_buffered_batches="10000", max_buffered_bytes=str(2 * 1024 * 1024))
+    report(fig)
+    assert fig.lost > 0, "the freeze did not overflow the byte bound: the test proves nothing"
+    assert fig.out_of_order == 0 and fig.wrong_seq == 0 and fig.partial == 0 and fig.duplicated == 0
     assert fig.unannounced == 0, f"losses without a gap record: {fig.lost_seqs}"
     assert fig.overannounced == 0, "a gap record names a batch that was published"
 
