@@ -186,6 +186,7 @@ def test_env_and_args_reach_the_sidecar() -> None:
         "KVB_FORMAT": "json",
         "KVB_KEEP_PLACEHOLDERS": "true",
         "KVB_MAX_BUFFERED_BATCHES": "50000",
+        "KVB_MAX_BUFFERED_BYTES": "536870912",
         "KVB_REPLAY_TIMEOUT": "3.5",
         "KVB_DRAIN_TIMEOUT": "20",
         "KVB_HTTP_PORT": "9400",

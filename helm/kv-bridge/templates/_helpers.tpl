@@ -171,6 +171,10 @@ The sidecar's environment.
 - name: KVB_MAX_BUFFERED_BATCHES
   value: {{ $b.maxBufferedBatches | int64 | quote }}
 {{- end }}
+{{- if not (kindIs "invalid" $b.maxBufferedBytes) }}
+- name: KVB_MAX_BUFFERED_BYTES
+  value: {{ $b.maxBufferedBytes | int64 | quote }}
+{{- end }}
 {{- if not (kindIs "invalid" $b.replayTimeout) }}
 - name: KVB_REPLAY_TIMEOUT
   value: {{ $b.replayTimeout | quote }}
