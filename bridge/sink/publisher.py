@@ -192,32 +192,41 @@ class NatsSink:
             count += len(batch.messages)
             for msg in batch.messages:
                 size += len(msg.payload)
+        try:
+            await self._write(nc, [m for b in batches for m in b.messages])
+        except BaseException:
+            # Not handed over (outbound buffer full, connection closing): back
+            # to the head of the queue, in order, for the retry.
+            queue.requeue(batches)
+            raise
+        self._account(batches)
+
+    async def _write(self, nc: NatsClient, messages: list[Outgoing]) -> None:
+        """`messages` as one buffer of HPUB frames on the connection; in
+        JetStream mode each registered in the ack window with its reply subject."""
         if self._settings.jetstream:
             acks = self._acks
             generation = self._generation
             now = time.monotonic()
-            replies = [acks.reply_to(m, generation, now) for b in batches for m in b.messages]
-            data = hpub_frames([m for b in batches for m in b.messages], replies)
+            replies = [acks.reply_to(m, generation, now) for m in messages]
+            data = hpub_frames(messages, replies)
         else:
             replies = []
-            data = hpub_frames([m for b in batches for m in b.messages])
+            data = hpub_frames(messages)
         try:
             await nc._send_command(data)  # noqa: SLF001
         except BaseException:
-            # Not handed over (outbound buffer full, connection closing): back
-            # to the head of the queue, in order, for the retry.
             if replies:
                 self._acks.forget_since(replies[0])
-            queue.requeue(batches)
             raise
         if nc._flush_queue is not None and nc._flush_queue.empty():  # noqa: SLF001 - as nc.publish does
             await nc._flush_pending()  # noqa: SLF001
-        self._account(batches)
 
     async def _resend_overdue(self) -> None:
-        """Refused, late, or sent on a connection since lost: published again,
-        each awaiting its ack, before anything new (the stream keeps the
-        bridge's order)."""
+        """What will not be acked goes again before anything new (the stream
+        keeps the bridge's order): messages sent on a connection since lost, or
+        unacked past --js-ack-timeout, in one write, back into the window;
+        refused ones one by one, each awaiting its ack, with back-off."""
         acks = self._acks
         if not acks.failed and acks.oldest_age(time.monotonic()) < self._settings.js_ack_timeout and (
             not len(acks) or acks.first_generation() == self._generation
@@ -228,10 +237,20 @@ class NatsSink:
             self._metrics.publish_errors.inc()
             log.warning("js_ack_failed", subject=msg.subject, error=error[:200])
             await self._republish(msg)
-        for msg in acks.overdue(time.monotonic(), self._settings.js_ack_timeout, self._generation):
-            self._metrics.publish_errors.inc()
-            log.warning("js_ack_failed", subject=msg.subject, error="no ack (timeout or reconnect)")
-            await self._republish(msg)
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return  # after the reconnect they are owed by an earlier generation and go then
+        late = acks.overdue(time.monotonic(), self._settings.js_ack_timeout, self._generation)
+        if not late:
+            return
+        self._metrics.publish_errors.inc(len(late))
+        log.warning("js_ack_missing", messages=len(late), first=late[0].subject, reason="timeout or reconnect")
+        try:
+            await self._write(nc, late)
+        except BaseException:
+            # Not handed over: the slow path, one by one, retries them.
+            acks.failed.extend((msg, "not sent again") for msg in late)
+            raise
 
     async def _republish(self, msg: Outgoing) -> None:
         js = self.js
