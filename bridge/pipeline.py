@@ -259,12 +259,6 @@ class StreamPipeline:
                 self._metrics.replays.labels("probe" if result.complete else "timeout").inc()
                 self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=None)
 
-    async def _on_live(self, parts: list[bytes]) -> None:
-        """One message from the PUB socket, whatever its seq."""
-        pending = self._take_live(parts)
-        if pending is not None:
-            await self._on_out_of_order(*pending)
-
     def _take_live(self, parts: list[bytes]) -> tuple[Frame, Verdict | None] | None:
         """Handles a live message that needs no replay; otherwise returns it
         with its verdict (None: the first one after an unverified resume)."""
@@ -279,13 +273,19 @@ class StreamPipeline:
         if self._unverified:
             return frame, None
         verdict = self.tracker.classify_live(frame.seq)
-        if verdict is Verdict.ACCEPT:
-            self._emit(frame)
-            return None
-        if verdict is Verdict.DUPLICATE:
-            self._metrics.dropped_by["duplicate"].inc()
+        if self._in_order(frame, verdict):
             return None
         return frame, verdict
+
+    def _in_order(self, frame: Frame, verdict: Verdict) -> bool:
+        """Handles the verdicts that need no replay: the next batch, or one already had."""
+        if verdict is Verdict.ACCEPT:
+            self._emit(frame)
+            return True
+        if verdict is Verdict.DUPLICATE:
+            self._metrics.dropped_by["duplicate"].inc()
+            return True
+        return False
 
     async def _on_out_of_order(self, frame: Frame, verdict: Verdict | None) -> None:
         if verdict is None:
@@ -297,11 +297,7 @@ class StreamPipeline:
                 await self._heal(frame)
                 return
             verdict = self.tracker.classify_live(frame.seq)
-            if verdict is Verdict.ACCEPT:
-                self._emit(frame)
-                return
-            if verdict is Verdict.DUPLICATE:
-                self._metrics.dropped_by["duplicate"].inc()
+            if self._in_order(frame, verdict):
                 return
         if verdict is Verdict.GAP:
             await self._heal(frame)
