@@ -179,10 +179,9 @@ class NatsSink:
         room = self._settings.js_max_pending - len(self._acks) if self._settings.jetstream else 1 << 30
         batches = [first]
         queue.pop()
-        size = 0
+        # nbytes: the queue sized every batch it holds.
+        size = first.nbytes
         count = len(first.messages)
-        for msg in first.messages:
-            size += len(msg.payload)
         while size < _CORE_WRITE_BYTES and len(batches) < _CORE_WRITE_BATCHES and count < room:
             batch = queue.peek()
             if batch is None:
@@ -190,8 +189,7 @@ class NatsSink:
             queue.pop()
             batches.append(batch)
             count += len(batch.messages)
-            for msg in batch.messages:
-                size += len(msg.payload)
+            size += batch.nbytes
         try:
             await self._write(nc, [m for b in batches for m in b.messages])
         except BaseException:

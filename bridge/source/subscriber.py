@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import anyio.lowlevel
 import zmq
 
-from bridge.source.zmq_io import drain, readable, wait_readable
+from bridge.source.zmq_io import drain, wait_readable
 
 # One drained chunk is processed without yielding to the event loop; then the
 # sink gets its turn. Bounded by count and by bytes, so that neither many
@@ -40,10 +40,8 @@ class Subscriber:
                 yield messages
             # Ask the socket before draining again: an empty drain costs a
             # raised zmq.Again, which under steady load is every other call.
-            if readable(sock):
+            if await wait_readable(sock):
                 await anyio.lowlevel.checkpoint()
-            else:
-                await wait_readable(sock)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -23,11 +23,14 @@ def readable(sock: zmq.Socket[bytes]) -> bool:
     return bool(sock.get(_EVENTS) & _POLLIN)  # type: ignore[operator]  # EVENTS is an int option
 
 
-async def wait_readable(sock: zmq.Socket[bytes]) -> None:
+async def wait_readable(sock: zmq.Socket[bytes]) -> bool:
+    """Until a message is queued; True if one already was (then it did not
+    yield to the event loop)."""
     if readable(sock):
-        return
+        return True
     with anyio.move_on_after(_WAIT_BOUND_S):
         await anyio.wait_readable(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
+    return False
 
 
 def drain(sock: zmq.Socket[bytes], limit: int, max_bytes: int = 0) -> list[list[bytes]]:
