@@ -64,6 +64,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
     Option("--max-buffered-bytes", "int", 256 * 1024 * 1024, "Encoded bytes held in memory the same way (the bound for large batches); 0 for none."),
     Option("--zmq-rcvhwm", "int", 100000, "ZMQ SUB receive high-water mark (messages)."),
+    Option("--coalesce-ms", "float", 0.5,
+           "When vLLM batches come less than this apart, wait this long after taking some, so the next few go to NATS in one write (0: never wait). Slower streams and backlogs never wait."),
     Option("--replay-timeout", "float", 2.0, "Seconds to wait for a replay answer."),
     Option("--idle-probe-interval", "float", 2.0, "While a publisher is quiet, ask its replay socket this often for batches lost at the tail (0: never)."),
     Option("--http-host", "str", "0.0.0.0", "Address for /metrics, /healthz, /readyz."),
@@ -78,6 +80,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--stream-duplicate-window", "float", 120.0, "Stream de-duplication window in seconds (Nats-Msg-Id)."),
     Option("--stream-replicas", "int", 1, "Stream replicas."),
     Option("--js-max-pending", "int", 2048, "JetStream publishes in flight without an ack (more keeps a file-backed stream busy; a reconnect sends them again)."),
+    Option("--js-max-pending-bytes", "int", 64 * 1024 * 1024, "Encoded bytes of JetStream publishes in flight without an ack (the window's memory bound for large batches)."),
     Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
     Option("--registry-bucket", "str", "kv_workers", "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
     Option("--heartbeat-interval", "float", 5.0, "Seconds between worker registry heartbeats."),
@@ -109,6 +112,7 @@ class Settings(msgspec.Struct, frozen=True):
     max_buffered_batches: int
     max_buffered_bytes: int
     zmq_rcvhwm: int
+    coalesce_ms: float
     replay_timeout: float
     idle_probe_interval: float
     http_host: str
@@ -123,6 +127,7 @@ class Settings(msgspec.Struct, frozen=True):
     stream_duplicate_window: float
     stream_replicas: int
     js_max_pending: int
+    js_max_pending_bytes: int
     js_ack_timeout: float
     registry_bucket: str
     heartbeat_interval: float
@@ -340,11 +345,13 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     check(values["max_buffered_batches"] >= 1, "--max-buffered-batches", "must be at least 1")
     check(values["max_buffered_bytes"] == 0 or values["max_buffered_bytes"] >= 1024 * 1024,
           "--max-buffered-bytes", "must be 0 (no bound) or at least 1 MiB")
+    check(0 <= values["coalesce_ms"] <= 100, "--coalesce-ms", "must be 0..100")
     check(values["replay_timeout"] > 0, "--replay-timeout", "must be positive")
     check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
     check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
     check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")
     check(values["js_max_pending"] >= 1, "--js-max-pending", "must be at least 1")
+    check(values["js_max_pending_bytes"] >= 1024 * 1024, "--js-max-pending-bytes", "must be at least 1 MiB")
     check(values["js_ack_timeout"] > 0, "--js-ack-timeout", "must be positive")
     check(values["heartbeat_interval"] > 0, "--heartbeat-interval", "must be positive")
     for flag in ("--nats-password-file", "--nats-token-file", "--nats-nkey-seed-file", "--nats-creds-file",

@@ -59,6 +59,7 @@ class StreamPipeline:
         keep_placeholders: bool,
         max_frame_bytes: int,
         rcvhwm: int,
+        coalesce_s: float,
         replay_timeout: float,
         idle_probe_s: float,
         max_payload: Callable[[], int],
@@ -73,6 +74,7 @@ class StreamPipeline:
         self._topic_bytes = topic.encode("utf-8")
         self._max_frame_bytes = max_frame_bytes
         self._rcvhwm = rcvhwm
+        self._coalesce_s = coalesce_s
         self._ctx = ctx
         self._queue = queue
         self._encoder = encoder
@@ -208,7 +210,7 @@ class StreamPipeline:
     # -- the loop --------------------------------------------------------
 
     async def run(self, on_subscribed: Callable[[], None]) -> None:
-        sub = Subscriber(self._ctx, self.plan.endpoint, self._topic, self._rcvhwm)
+        sub = Subscriber(self._ctx, self.plan.endpoint, self._topic, self._rcvhwm, self._coalesce_s)
         self._log.info("zmq_subscribed", replay=self.plan.replay_endpoint, topic=self._topic)
         self._queue.put(self.record("start", reason="fresh" if self._resume is None else "resumed",
                                     seq=None if self._resume is None else self._resume.done_through))

@@ -105,7 +105,8 @@ class Bridge:
                 StreamPipeline(
                     StreamPlan(index, rank, endpoint, replay), worker=s.worker_id, topic=s.topic,
                     prefix=s.subject_prefix, pinned_kinds=s.group_kind, keep_placeholders=s.keep_placeholders,
-                    max_frame_bytes=s.max_frame_bytes, rcvhwm=s.zmq_rcvhwm, replay_timeout=s.replay_timeout,
+                    max_frame_bytes=s.max_frame_bytes, rcvhwm=s.zmq_rcvhwm, coalesce_s=s.coalesce_ms / 1000,
+                    replay_timeout=s.replay_timeout,
                     idle_probe_s=s.idle_probe_interval, max_payload=self._max_payload,
                     nats_up=lambda: self.health.nats_connected,
                     ctx=ctx, queue=self.queue, encoder=encoder, metrics=self.metrics,

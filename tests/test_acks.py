@@ -54,3 +54,45 @@ def test_forget_since_drops_a_write_that_never_left() -> None:
     assert len(win) == 1
     win.on_ack(b"_I.0", b'{"stream":"S","seq":1}', None)
     assert len(win) == 0 and not win.failed
+
+
+def test_the_window_counts_its_bytes_and_waits_for_room_by_bytes() -> None:
+    def big(i: int) -> Outgoing:
+        return Outgoing(f"kv.w.{i}", b"p" * 1000, {}, "attention", 1, head=b"h" * 24)
+
+    win = AckWindow("_I")
+    replies = [win.reply_to(big(i), 0, float(i)) for i in range(4)]
+    assert win.bytes == 4 * 1024
+    win.on_ack(b"_I.0", b'{"stream":"S","seq":1}', None)
+    win.on_ack(b"_I.1", b'{"error":{"code":500,"description":"boom"}}', None)
+    assert win.bytes == 2 * 1024  # a refused one is no longer in flight: it waits in `failed`
+    assert [m.subject for m in win.overdue(now=10.0, timeout=5.0, generation=0)] == ["kv.w.2", "kv.w.3"]
+    assert win.bytes == 0
+    for i in range(4, 7):
+        last = win.reply_to(big(i), 0, 20.0)
+    win.forget_since(last)
+    assert win.bytes == 2 * 1024 and replies[0] == "_I.0"
+
+
+async def _acks_after(win: AckWindow, delay: float, tokens: list[int]) -> None:
+    import anyio
+
+    await anyio.sleep(delay)
+    for t in tokens:
+        win.on_ack(f"_I.{t}".encode(), b'{"stream":"S","seq":1}', None)
+
+
+def test_wait_below_returns_only_when_bytes_are_low_enough() -> None:
+    import anyio
+
+    async def main() -> tuple[int, int]:
+        win = AckWindow("_I")
+        for i in range(4):
+            win.reply_to(Outgoing(f"kv.w.{i}", b"p" * 1000, {}, "attention", 1), 0, 0.0)
+        async with anyio.create_task_group() as tg:
+            # Four in flight, 4000 bytes: a count bound of 10 alone would not wait.
+            tg.start_soon(_acks_after, win, 0.05, [0, 1])
+            await win.wait_below(10, 30.0, low_bytes=2000)
+        return len(win), win.bytes
+
+    assert anyio.run(main) == (2, 2000)

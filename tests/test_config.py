@@ -64,6 +64,10 @@ def test_bad_values_name_their_option() -> None:
         make_settings(replay_timeout="-1")
     with pytest.raises(ConfigError, match="--worker-id"):
         make_settings(worker_id="x" * 300)
+    with pytest.raises(ConfigError, match="--coalesce-ms"):
+        make_settings(coalesce_ms="-1")
+    with pytest.raises(ConfigError, match="--js-max-pending-bytes"):
+        make_settings(js_max_pending_bytes="1000")
 
 
 def test_readme_configuration_table_is_current() -> None:

@@ -18,6 +18,7 @@ from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.embedded.publisher import WirePublisher
 from bridge.embedded.workload import HybridWorkload
+from bridge.service import Bridge
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 
 pytestmark = pytest.mark.anyio
@@ -62,6 +63,38 @@ async def test_jetstream_mode_stores_every_batch_once(nats_server: NatsServerPro
     info = await nc.jetstream().stream_info("KV_EVENTS")
     await nc.close()
     assert info.config.subjects == ["kv.>"] and info.config.allow_direct and info.config.max_age == 600
+
+
+async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: NatsServerProcess) -> None:
+    """512-event batches (about 190 kB each) through a 1 MiB ack window: the
+    publisher waits for acks by bytes, and nothing is lost or stored twice."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
+                             jetstream=True, js_max_pending_bytes=str(1024 * 1024))
+    workload = HybridWorkload(seed=2)
+    peak = 0
+
+    async def watch(bridge: Bridge) -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, bridge.sink.in_flight_bytes)
+            await anyio.sleep(0)
+
+    try:
+        async with running_bridge(settings) as bridge, anyio.create_task_group() as tg:
+            tg.start_soon(watch, bridge)
+            for _ in range(40):
+                pub.publish(workload.batch(512))
+            await wait_published(bridge, 40)
+            tg.cancel_scope.cancel()
+    finally:
+        pub.close()
+    keys = group_keys(await stream_contents(nats_server.url))
+    assert {seq for _, seq, _ in keys} == set(range(40))
+    assert max(keys.values()) == 1
+    # The bound holds to within the one batch that crossed it.
+    assert 256 * 1024 < peak <= 1024 * 1024 + 256 * 1024
 
 
 def _spawn_bridge(pub_ep: str, replay_ep: str, url: str, http: int) -> subprocess.Popen[bytes]:

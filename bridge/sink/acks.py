@@ -54,7 +54,10 @@ class AckWindow:
         self._next = 0
         self.failed: deque[tuple[Outgoing, str]] = deque()
         self._low_water = 0
+        self._low_bytes = 0
         self._room: anyio.Event | None = None
+        # Encoded bytes in flight (payloads and headers): the window's memory.
+        self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -64,13 +67,17 @@ class AckWindow:
         token = self._next
         self._next = token + 1
         self._pending[token] = _Pending(msg, generation, now)
+        self.bytes += len(msg.payload) + len(msg.head)
         return f"{self.inbox}.{token}"
 
     def forget_since(self, reply: str) -> None:
         """A write that never reached the connection: its messages are not in flight."""
         first = int(reply[self._prefix_len:])
         for token in [t for t in self._pending if t >= first]:
-            del self._pending[token]
+            self._settle(self._pending.pop(token).msg)
+
+    def _settle(self, msg: Outgoing) -> None:
+        self.bytes -= len(msg.payload) + len(msg.head)
 
     def on_ack(self, subject: bytes, data: bytes, headers: bytes | None) -> None:
         """From the connection's parser, for every message on `<inbox>.*`."""
@@ -81,10 +88,14 @@ class AckWindow:
         entry = self._pending.pop(token, None)
         if entry is None:
             return  # settled already: sent again after a timeout or a reconnect
+        msg = entry.msg
+        self.bytes -= len(msg.payload) + len(msg.head)
         error = ack_error(data, headers)
         if error is not None:
-            self.failed.append((entry.msg, error))
-        if self._room is not None and (len(self._pending) <= self._low_water or self.failed):
+            self.failed.append((msg, error))
+        if self._room is not None and (
+            (len(self._pending) <= self._low_water and self.bytes <= self._low_bytes) or self.failed
+        ):
             self._room.set()
 
     def overdue(self, now: float, timeout: float, generation: int) -> list[Outgoing]:
@@ -98,6 +109,7 @@ class AckWindow:
             if entry.generation == generation and now - entry.sent < timeout:
                 break
             del pending[token]
+            self._settle(entry.msg)
             out.append(entry.msg)
         return out
 
@@ -110,11 +122,13 @@ class AckWindow:
             return 0.0
         return now - next(iter(self._pending.values())).sent
 
-    async def wait_below(self, low_water: int, timeout: float) -> None:
-        """Until at most `low_water` are in flight, a refusal came, or `timeout`."""
-        if len(self._pending) <= low_water or self.failed:
+    async def wait_below(self, low_water: int, timeout: float, low_bytes: int = 1 << 62) -> None:
+        """Until at most `low_water` messages and `low_bytes` bytes are in
+        flight, a refusal came, or `timeout`."""
+        if (len(self._pending) <= low_water and self.bytes <= low_bytes) or self.failed:
             return
         self._low_water = low_water
+        self._low_bytes = low_bytes
         self._room = anyio.Event()
         try:
             with anyio.move_on_after(timeout):

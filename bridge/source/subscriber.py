@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import anyio.lowlevel
 import zmq
 
-from bridge.source.zmq_io import drain, wait_readable
+from bridge.source.zmq_io import drain, readable, wait_readable
 
 # One drained chunk is processed without yielding to the event loop; then the
 # sink gets its turn. Bounded by count and by bytes, so that neither many
@@ -17,8 +18,11 @@ DRAIN_BYTES = 2 * 1024 * 1024
 
 
 class Subscriber:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: str, rcvhwm: int) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: str, rcvhwm: int, coalesce_s: float = 0.0
+    ) -> None:
         self.endpoint = endpoint
+        self._coalesce_s = coalesce_s
         self._sock = ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -34,10 +38,23 @@ class Subscriber:
         of ZMQ messages must never starve the NATS sink, or the bounded queue
         between them overflows although NATS keeps up."""
         sock = self._sock
+        coalesce = self._coalesce_s
+        clock = time.monotonic
+        last = -coalesce
         while True:
             messages = drain(sock, DRAIN_LIMIT, DRAIN_BYTES)
             if messages:
+                now = clock()
+                trickle = now - last < coalesce
+                last = now
                 yield messages
+                # Batches coming one by one faster than --coalesce-ms: let the
+                # next few gather, so they cost one wakeup and one NATS write
+                # (here, in nats-server and in every subscriber) instead of one
+                # each. Slower streams never wait; a backlog never waits either.
+                if trickle and not readable(sock):
+                    await anyio.sleep(coalesce)
+                    continue
             # Ask the socket before draining again: an empty drain costs a
             # raised zmq.Again, which under steady load is every other call.
             if await wait_readable(sock):
