@@ -17,7 +17,7 @@ import pytest
 from bridge.embedded.nats_server import nats_server_available
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("floor", "naive", "core", "jetstream")
+MODES = ("floor", "naive", "minimal", "core", "minimal-js", "jetstream")
 SIZES = ("8", "64", "512")
 
 pytestmark = pytest.mark.skipif(not nats_server_available(), reason="needs the nats-server binary")
@@ -60,6 +60,10 @@ def test_smoke_benchmark_yields_figures_for_every_mode_and_loses_nothing(tmp_pat
     overload = results["overload"]
     assert overload["batches_published"] > 0 and overload["rss_samples"]
     assert overload["gap_records"] >= 1 and overload["batches_announced_lost"] > 0
+    # The p99 targets show the minimal relay's figure beside kv-bridge's: what no bridge beats on this machine.
+    for name, yardstick in (("core_p99_ms", "minimal"), ("jetstream_p99_ms", "minimal-js")):
+        for cell in results["summary"]["targets"][name]["per_size"].values():
+            assert cell["yardstick"]["mode"] == yardstick and cell["yardstick"]["value"] > 0
     assert set(results["summary"]["targets"]) >= {
         "core_vs_floor", "core_vs_naive", "jetstream_vs_floor", "core_p99_ms", "jetstream_p99_ms", "overload_rss_bounded",
     }
