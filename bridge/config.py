@@ -79,7 +79,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--stream-max-msgs-per-subject", "int", 100000, "Stream limit: messages kept per subject."),
     Option("--stream-duplicate-window", "float", 120.0, "Stream de-duplication window in seconds (Nats-Msg-Id)."),
     Option("--stream-replicas", "int", 1, "Stream replicas."),
-    Option("--js-max-pending", "int", 2048, "JetStream publishes in flight without an ack (more keeps a file-backed stream busy; a reconnect sends them again)."),
+    Option("--js-max-pending", "int", 16384, "JetStream publishes in flight without an ack: enough to ride out a stream's pauses of a few hundred ms without holding up live delivery (a reconnect sends them again; --js-max-pending-bytes bounds their memory)."),
     Option("--js-max-pending-bytes", "int", 64 * 1024 * 1024, "Encoded bytes of JetStream publishes in flight without an ack (the window's memory bound for large batches)."),
     Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
     Option("--registry-bucket", "str", "kv_workers", "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
