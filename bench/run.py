@@ -209,6 +209,21 @@ async def http_ready(port: int, timeout: float) -> bool:
     return False
 
 
+async def scrape(port: int, name: str) -> float | None:
+    """One sample (no labels) from the bridge's /metrics."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        body = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+    except (TimeoutError, OSError):
+        return None
+    for line in body.decode(errors="replace").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
 # -- one measured consumer -------------------------------------------------
 
 
@@ -227,6 +242,7 @@ class Runner:
     server: NatsServerProcess | None = None
     counter: Counter | None = None
     cursor: dict[int, int] = field(default_factory=dict)
+    http_port: int = 0
 
     @property
     def name(self) -> str:
@@ -276,7 +292,7 @@ class Runner:
             await self.consumer.read(60)
         else:
             assert self.server is not None
-            http_port = free_port()
+            http_port = self.http_port = free_port()
             argv = [py, "-m", "bridge", "run", "--zmq-endpoint", endpoint, "--nats-url", self.server.url,
                     "--worker-id", f"bench-{self.name}", "--http-host", "127.0.0.1", "--http-port", str(http_port),
                     "--log-level", "warning", "--log-format", "json", *plan.bridge_args, *self.extra_flags]
@@ -336,6 +352,8 @@ class Runner:
         server1 = cpu_seconds(server_pid) if server_pid else 0.0
         self1 = own_cpu_seconds()
         seconds = max(t_last - pub["t0"], 1e-9)
+        if self.mode == "jetstream":
+            await self.acks_in()
         return {
             "mode": self.name, "size": size, "batches": batches, "events": events, "expected": want,
             "delivered": delivered, "ok": ok, "gap_records": gaps, "seconds": round(seconds, 4),
@@ -357,6 +375,19 @@ class Runner:
         batches = max(1, round(rate * seconds / size))
         cmd = {"op": "paced", "size": size, "rate": rate, "duration": seconds}
         return await self._run(size, batches, cmd, latency=True)
+
+    async def acks_in(self, timeout: float = 30.0) -> None:
+        """Until the bridge has every JetStream ack (delivery to subscribers
+        runs ahead of the stream's acks). Only then may its processes be
+        stopped while another mode runs: stopped with acks owed, it would find
+        them overdue on waking and publish them again (core subscribers see
+        such retries twice; the stream does not)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            # None: a bridge (--ref-src) from before this gauge; nothing to wait for.
+            if not await scrape(self.http_port, "kvbridge_js_in_flight_messages"):
+                return
+            await asyncio.sleep(0.05)
 
     def pids(self) -> list[int]:
         """Its processes: publisher, measured consumer, nats-server."""

@@ -75,10 +75,13 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
     workload = HybridWorkload(seed=2)
     peak = 0
 
+    gauge_peak = 0.0
+
     async def watch(bridge: Bridge) -> None:
-        nonlocal peak
+        nonlocal peak, gauge_peak
         while True:
             peak = max(peak, bridge.sink.in_flight_bytes)
+            gauge_peak = max(gauge_peak, metric(bridge, "kvbridge_js_in_flight_messages"))
             await anyio.sleep(0)
 
     try:
@@ -88,6 +91,11 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
                 pub.publish(workload.batch(512))
             await wait_published(bridge, 40)
             tg.cancel_scope.cancel()
+            # The gauges follow the window and come back to 0 once every ack is in.
+            with anyio.fail_after(10):
+                while metric(bridge, "kvbridge_js_in_flight_messages") or metric(bridge, "kvbridge_js_in_flight_bytes"):
+                    assert metric(bridge, "kvbridge_js_in_flight_bytes") == bridge.sink.in_flight_bytes
+                    await anyio.sleep(0.01)
     finally:
         pub.close()
     keys = group_keys(await stream_contents(nats_server.url))
@@ -95,6 +103,7 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
     assert max(keys.values()) == 1
     # The bound holds to within the one batch that crossed it.
     assert 256 * 1024 < peak <= 1024 * 1024 + 256 * 1024
+    assert gauge_peak >= 1
 
 
 def _spawn_bridge(pub_ep: str, replay_ep: str, url: str, http: int) -> subprocess.Popen[bytes]:

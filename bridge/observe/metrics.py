@@ -9,7 +9,7 @@ event loop's one thread, scrapes included, so no lock is needed.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -130,6 +130,15 @@ class _HotCollector(Collector):
         yield seq
         yield HistogramMetricFamily("kvbridge_lag_seconds", "vLLM batch timestamp to NATS publish.",
                                     buckets=m.lag.cumulative(), sum_value=m.lag.total)
+        messages, size = m.js_in_flight()
+        yield GaugeMetricFamily("kvbridge_js_in_flight_messages", "JetStream publishes awaiting their ack.",
+                                value=messages)
+        yield GaugeMetricFamily("kvbridge_js_in_flight_bytes", "Encoded bytes of JetStream publishes awaiting their ack.",
+                                value=size)
+
+
+def _nothing_in_flight() -> tuple[int, int]:
+    return (0, 0)
 
 
 def _counter(name: str, doc: str, count: Count) -> CounterMetricFamily:
@@ -181,6 +190,9 @@ class Metrics:
         self.transformed_by = CountBy()
         self.last_seq = LevelBy()
         self.queue_depth = Level()
+        # (messages, bytes) awaiting a JetStream ack: read at scrape time from
+        # the sink's ack window, which sets this once it exists.
+        self.js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
         self.lag = Buckets(LAG_BUCKETS)
         r.register(_HotCollector(self))
 

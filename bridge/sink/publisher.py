@@ -86,6 +86,10 @@ class NatsSink:
         self.published_batches = 0
         self._last_seq: dict[int, Any] = {}
         self._closing = False
+        metrics.js_in_flight = self._in_flight
+
+    def _in_flight(self) -> tuple[int, int]:
+        return len(self._acks), self._acks.bytes
 
     # -- connection ------------------------------------------------------
 
