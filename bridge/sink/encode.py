@@ -41,19 +41,29 @@ class MessageEncoder:
         self.format = fmt
         self._encode = msgspec.msgpack.Encoder().encode if fmt == "msgpack" else msgspec.json.Encoder().encode
         self._static: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
+        self._epoch = -1
+        self._epoch_text = ""
 
     def group(self, msg: GroupMessage, subjects: SubjectBook, msg_id_base: str) -> Outgoing:
         seq = str(msg.seq)
-        epoch = str(msg.epoch)
         family = msg.family
         static = self._static.get((msg.kind, family))
         if static is None:
             static = self._static_headers(msg.kind, family)
         text, fixed = static
-        msg_id = f"{msg_id_base}:{seq}:{msg.group}" if msg.part == 0 else f"{msg_id_base}:{seq}:{msg.group}.p{msg.part}"
+        if msg.epoch != self._epoch:
+            self._epoch = msg.epoch
+            self._epoch_text = str(msg.epoch)
+        epoch = self._epoch_text
+        msg_id = f"{msg_id_base}:{seq}:{msg.group}"
+        if msg.part:
+            msg_id = f"{msg_id}.p{msg.part}"
         if msg.chunks > 1:
             msg_id = f"{msg_id}.c{msg.chunk}"
-        headers = {HDR_MSG_ID: msg_id, **fixed, HDR_SEQ: seq, HDR_EPOCH: epoch}
+        headers = fixed.copy()
+        headers[HDR_MSG_ID] = msg_id
+        headers[HDR_SEQ] = seq
+        headers[HDR_EPOCH] = epoch
         head = f"{text}{HDR_MSG_ID}: {msg_id}\r\n{HDR_SEQ}: {seq}\r\n{HDR_EPOCH}: {epoch}\r\n\r\n".encode()
         return Outgoing(subjects.group(msg.group), self._encode(msg), headers, family, len(msg.events), head)
 

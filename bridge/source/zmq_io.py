@@ -38,18 +38,19 @@ def drain(sock: zmq.Socket[bytes], limit: int, max_bytes: int = 0) -> list[list[
     once their last frames add up to that much."""
     out: list[list[bytes]] = []
     append = out.append
-    # recv_multipart() converts RCVMORE to an enum per frame; get() does not.
+    # A frame says itself whether more follow; asking the socket (get(RCVMORE),
+    # as recv_multipart() does) builds an enum per frame.
     recv = sock.recv
-    more = sock.get
     noblock = zmq.NOBLOCK
-    rcvmore = zmq.RCVMORE
     size = 0
     try:
         while len(out) < limit:
-            parts = [recv(noblock)]
-            while more(rcvmore):
+            frame = recv(noblock, copy=False)
+            parts = [frame.bytes]
+            while frame.more:
                 # The rest of a multipart message is already there: ZMQ delivers it whole.
-                parts.append(recv(noblock))
+                frame = recv(noblock, copy=False)
+                parts.append(frame.bytes)
             append(parts)
             if max_bytes:
                 size += len(parts[-1])
