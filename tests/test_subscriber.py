@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
@@ -30,9 +31,10 @@ async def _quiet(receive: anyio.abc.ObjectReceiveStream[list[list[bytes]]], seco
             await receive.receive()
 
 
-@pytest.mark.anyio
-async def test_a_fast_trickle_is_taken_in_one_chunk_and_a_slow_stream_one_by_one() -> None:
-    coalesce = 0.3
+@asynccontextmanager
+async def _wired(coalesce: float) -> AsyncIterator[tuple[zmq.Socket[bytes], anyio.abc.ObjectReceiveStream[list[list[bytes]]]]]:
+    """A PUB socket and what a Subscriber on it yields, once the subscription
+    has arrived (PUB drops until then: probes go until one comes through)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -42,26 +44,14 @@ async def test_a_fast_trickle_is_taken_in_one_chunk_and_a_slow_stream_one_by_one
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_forward, sub, send)
-            # PUB drops until the subscription has arrived: probe until one comes through.
             with anyio.fail_after(10):
                 while True:
                     pub.send_multipart([b"", b"probe"])
                     with anyio.move_on_after(0.05):
                         await receive.receive()
                         break
-            await _quiet(receive, 2 * coalesce)
-
-            # A stream quieter than the coalescing window: each batch on its own.
-            pub.send_multipart([b"", b"a"])
-            assert await _next(receive) == [b"a"]
-            # The next one comes within the window: it is taken at once, and
-            # then the subscriber waits for more before taking again.
-            pub.send_multipart([b"", b"b"])
-            assert await _next(receive) == [b"b"]
-            burst = [f"c{i}".encode() for i in range(10)]
-            for payload in burst:
-                pub.send_multipart([b"", payload])
-            assert await _next(receive) == burst
+            await _quiet(receive, max(2 * coalesce, 0.3))
+            yield pub, receive
             tg.cancel_scope.cancel()
     finally:
         sub.close()
@@ -70,28 +60,24 @@ async def test_a_fast_trickle_is_taken_in_one_chunk_and_a_slow_stream_one_by_one
 
 
 @pytest.mark.anyio
+async def test_a_fast_trickle_is_taken_in_one_chunk_and_a_slow_stream_one_by_one() -> None:
+    async with _wired(coalesce=0.3) as (pub, receive):
+        # A stream quieter than the coalescing window: each batch on its own.
+        pub.send_multipart([b"", b"a"])
+        assert await _next(receive) == [b"a"]
+        # The next one comes within the window: it is taken at once, and
+        # then the subscriber waits for more before taking again.
+        pub.send_multipart([b"", b"b"])
+        assert await _next(receive) == [b"b"]
+        burst = [f"c{i}".encode() for i in range(10)]
+        for payload in burst:
+            pub.send_multipart([b"", payload])
+        assert await _next(receive) == burst
+
+
+@pytest.mark.anyio
 async def test_without_coalescing_every_batch_is_taken_as_it_comes() -> None:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sub = Subscriber(ctx, f"tcp://127.0.0.1:{port}", "", 1000, coalesce_s=0.0)
-    send, receive = anyio.create_memory_object_stream[list[list[bytes]]](100)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_forward, sub, send)
-            with anyio.fail_after(10):
-                while True:
-                    pub.send_multipart([b"", b"probe"])
-                    with anyio.move_on_after(0.05):
-                        await receive.receive()
-                        break
-            await _quiet(receive, 0.3)
-            for i in range(5):
-                pub.send_multipart([b"", f"m{i}".encode()])
-                assert await _next(receive) == [f"m{i}".encode()]
-            tg.cancel_scope.cancel()
-    finally:
-        sub.close()
-        pub.close(linger=0)
-        ctx.term()
+    async with _wired(coalesce=0.0) as (pub, receive):
+        for i in range(5):
+            pub.send_multipart([b"", f"m{i}".encode()])
+            assert await _next(receive) == [f"m{i}".encode()]
