@@ -89,7 +89,7 @@ class AckWindow:
         if entry is None:
             return  # settled already: sent again after a timeout or a reconnect
         msg = entry.msg
-        self.bytes -= len(msg.payload) + len(msg.head)
+        self._settle(msg)
         error = ack_error(data, headers)
         if error is not None:
             self.failed.append((msg, error))

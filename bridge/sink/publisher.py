@@ -1,8 +1,9 @@
 """Publishes queued batches to NATS, core or JetStream, in queue order.
 
 Both modes write the queued batches as one buffer of HPUB frames into nats-py's
-connection (its flusher sends it): no round trip, future or header encoding per
-message. JetStream frames carry a reply subject; the acks come back to an
+connection (straight onto its socket when nothing of nats-py's is waiting,
+else through its pending buffer and flusher): no round trip, future or header
+encoding per message. JetStream frames carry a reply subject; the acks come back to an
 AckWindow of at most --js-max-pending messages, and one that is refused, lost
 with a connection, or late is published again with the same Nats-Msg-Id, which
 the stream de-duplicates.
@@ -86,9 +87,10 @@ class NatsSink:
         self.published_batches = 0
         self._last_seq: dict[int, Any] = {}
         self._closing = False
-        metrics.js_in_flight = self._in_flight
+        metrics.js_in_flight = self.in_flight
 
-    def _in_flight(self) -> tuple[int, int]:
+    def in_flight(self) -> tuple[int, int]:
+        """JetStream publishes not yet acked: (messages, encoded bytes)."""
         return len(self._acks), self._acks.bytes
 
     # -- connection ------------------------------------------------------
@@ -150,11 +152,6 @@ class NatsSink:
         self._health.nats_connected = True
         self._connected.set()
         log.info("nats_connected", server=self._server(), jetstream=self._settings.jetstream)
-
-    @property
-    def in_flight_bytes(self) -> int:
-        """Encoded bytes published to JetStream and not yet acked."""
-        return self._acks.bytes
 
     # -- publishing ------------------------------------------------------
 
