@@ -9,7 +9,8 @@ what is queued in one `sendall`; JetStream acks are read and thrown away, never
 matched.
 No decode, checks, queue, metrics or retries: what is left is the ZMQ receive
 and the socket writes, and the work nats-server and the subscriber do for the
-same messages. A latency this relay cannot reach on a machine, no bridge can.
+same messages. Where kv-bridge's latency is far above this relay's, the
+difference is kv-bridge's own work.
 
 Prints {"ready": true}, then relays until stdin closes.
 """

@@ -723,7 +723,7 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
     def target(name: str, mode: str, key: str, threshold: float, higher: bool = True, yardstick: str = "") -> None:
         """`yardstick`: a mode whose figure is shown beside (the minimal relay's
-        latency: what no bridge can beat on this machine)."""
+        latency: the same messages with next to no relay work)."""
         per_size: dict[str, Any] = {}
         for size in plan.sizes:
             if str(size) not in table.get(mode, {}):
