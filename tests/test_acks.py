@@ -3,6 +3,8 @@ overdue messages handed back for another publish."""
 
 from __future__ import annotations
 
+import anyio
+
 from bridge.sink.acks import AckWindow, ack_error
 from bridge.sink.encode import Outgoing
 
@@ -75,16 +77,12 @@ def test_the_window_counts_its_bytes_and_waits_for_room_by_bytes() -> None:
 
 
 async def _acks_after(win: AckWindow, delay: float, tokens: list[int]) -> None:
-    import anyio
-
     await anyio.sleep(delay)
     for t in tokens:
         win.on_ack(f"_I.{t}".encode(), b'{"stream":"S","seq":1}', None)
 
 
 def test_wait_below_returns_only_when_bytes_are_low_enough() -> None:
-    import anyio
-
     async def main() -> tuple[int, int]:
         win = AckWindow("_I")
         for i in range(4):

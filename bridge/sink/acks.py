@@ -67,7 +67,7 @@ class AckWindow:
         token = self._next
         self._next = token + 1
         self._pending[token] = _Pending(msg, generation, now)
-        self.bytes += len(msg.payload) + len(msg.head)
+        self.bytes += msg.nbytes
         return f"{self.inbox}.{token}"
 
     def forget_since(self, reply: str) -> None:
@@ -77,7 +77,7 @@ class AckWindow:
             self._settle(self._pending.pop(token).msg)
 
     def _settle(self, msg: Outgoing) -> None:
-        self.bytes -= len(msg.payload) + len(msg.head)
+        self.bytes -= msg.nbytes
 
     def on_ack(self, subject: bytes, data: bytes, headers: bytes | None) -> None:
         """From the connection's parser, for every message on `<inbox>.*`."""

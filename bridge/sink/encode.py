@@ -33,6 +33,11 @@ class Outgoing(msgspec.Struct, gc=False, array_like=True):
     # (`hpub_frames`) skips nats-py's per-message header encoding and checks.
     head: bytes = b""
 
+    @property
+    def nbytes(self) -> int:
+        """What the message holds in memory and puts on the wire, framing aside."""
+        return len(self.payload) + len(self.head)
+
 
 class MessageEncoder:
     def __init__(self, fmt: str) -> None:

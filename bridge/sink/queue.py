@@ -47,7 +47,7 @@ def _size(batch: OutBatch) -> int:
     if batch.nbytes < 0:
         n = 0
         for msg in batch.messages:
-            n += len(msg.payload) + len(msg.head)
+            n += msg.nbytes
         batch.nbytes = n
     return batch.nbytes
 

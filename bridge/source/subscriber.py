@@ -52,8 +52,11 @@ class Subscriber:
                 # next few gather, so they cost one wakeup and one NATS write
                 # (here, in nats-server and in every subscriber) instead of one
                 # each. Slower streams never wait; a backlog never waits either.
-                if trickle and not readable(sock):
-                    await anyio.sleep(coalesce)
+                if trickle:
+                    if readable(sock):
+                        await anyio.lowlevel.checkpoint()
+                    else:
+                        await anyio.sleep(coalesce)
                     continue
             # Ask the socket before draining again: an empty drain costs a
             # raised zmq.Again, which under steady load is every other call.
