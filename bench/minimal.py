@@ -31,6 +31,7 @@ from bench.traffic import TS_OFFSET, load
 from bridge.contract import GroupMessage
 from bridge.decode.decoder import BatchDecoder
 from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+from bridge.pipeline import new_epoch
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.subjects import SubjectBook
 
@@ -69,7 +70,10 @@ def prepare(traffic: Path, jetstream: bool) -> dict[bytes, Frames]:
     normalizer = Normalizer(KindBook({}), keep_placeholders=False)
     encoder = MessageEncoder("msgpack")
     subjects = SubjectBook("kv", "bench-minimal", 0)
-    ident = StreamIdentity(worker="bench-minimal", dp_rank=0, topic="", epoch=1)
+    # A new epoch per process, as kv-bridge takes one when the publisher
+    # restarts: the same (epoch, seq) as a run before would make every
+    # Nats-Msg-Id a duplicate that the stream drops instead of storing.
+    ident = StreamIdentity(worker="bench-minimal", dp_rank=0, topic="", epoch=new_epoch())
     stats = NormalizeStats()
     out: dict[bytes, Frames] = {}
     for pool in load(traffic).values():
@@ -80,7 +84,7 @@ def prepare(traffic: Path, jetstream: bool) -> dict[bytes, Frames]:
             for item in items:
                 if type(item) is not GroupMessage:
                     continue
-                msg = encoder.group(item, subjects, "bench-minimal:0:1")
+                msg = encoder.group(item, subjects, f"bench-minimal:0:{ident.epoch}")
                 reply = b" _R." + _TOKEN_TEXT if jetstream else b""
                 frames += b"HPUB %s%s %d %d\r\n" % (msg.subject.encode(), reply, len(msg.head),
                                                      len(msg.head) + len(msg.payload))

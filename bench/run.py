@@ -71,6 +71,7 @@ class Plan:
     pool_events: int  # distinct events generated per batch size, cycled
     latency_rate: float
     latency_s: float
+    latency_warmup_s: float  # unmeasured, at the same load, per fresh process and size
     latency_repeats: int
     overload_rate: float
     overload_s: float
@@ -102,6 +103,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         pool_events=3_000 if smoke else 60_000,
         latency_rate=args.latency_rate,
         latency_s=args.latency_seconds or (0.4 if smoke else 3.0),
+        latency_warmup_s=0.2 if smoke else 1.5,
         latency_repeats=args.latency_repeats or (1 if smoke else 5),
         overload_rate=args.overload_rate,
         overload_s=args.overload_seconds or (1.0 if smoke else 8.0),
@@ -327,6 +329,7 @@ class Runner:
         if latency:
             reset_peak_rss(self.consumer.pid)
         server_pid = self.server.proc.pid if self.server is not None and self.server.proc is not None else None
+        stored0 = await stored_messages(self.server.url) if self.stores else 0
         cpu0 = cpu_seconds(self.consumer.pid)
         server0 = cpu_seconds(server_pid) if server_pid else 0.0
         self0 = own_cpu_seconds()
@@ -354,9 +357,16 @@ class Runner:
         seconds = max(t_last - pub["t0"], 1e-9)
         if self.mode == "jetstream":
             await self.acks_in()
+        stored = None
+        if self.stores and self.counter is not None:
+            # Every message delivered is also in the stream: a relay whose
+            # publishes the stream dropped (as duplicates, say) did less work.
+            stored = await self._stored_since(stored0, self.counter.messages)
+            ok = ok and stored >= self.counter.messages
         return {
             "mode": self.name, "size": size, "batches": batches, "events": events, "expected": want,
             "delivered": delivered, "ok": ok, "gap_records": gaps, "seconds": round(seconds, 4),
+            "stored_messages": stored,
             "events_per_s": round(events / seconds), "cpu_s": round(cpu1 - cpu0, 3),
             "cpu_s_per_m_events": round((cpu1 - cpu0) / events * 1e6, 2),
             "nats_server_cpu_s": round(server1 - server0, 3), "counter_cpu_s": round(self1 - self0, 3),
@@ -364,6 +374,21 @@ class Runner:
             "publisher_late_max_ms": round(pub["late_max_s"] * 1e3, 2), "latency": lat,
             **memory_mb(self.consumer.pid),
         }
+
+    @property
+    def stores(self) -> bool:
+        return self.mode in ("jetstream", "minimal-js") and self.server is not None
+
+    async def _stored_since(self, before: int, want: int, timeout: float = 30.0) -> int:
+        """Messages the stream took since it held `before`, once it holds `want`
+        more (the stream's acks run behind delivery) or `timeout` passed."""
+        assert self.server is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            stored = await stored_messages(self.server.url) - before
+            if stored >= want or time.monotonic() > deadline:
+                return stored
+            await asyncio.sleep(0.05)
 
     async def throughput(self, size: int, events: int) -> dict[str, Any]:
         # While NATS keeps up a full queue holds the pipeline back (ZMQ buffers
@@ -405,6 +430,19 @@ class Runner:
         if self.server is not None:
             self.server.stop()
         return {"exit_code": rc, **mem}
+
+
+async def stored_messages(url: str) -> int:
+    """Messages the benchmark's stream has taken so far (its last sequence:
+    limits may have dropped older ones since)."""
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream().stream_info(STREAM)
+        return int(info.state.last_seq)
+    except nats.js.errors.NotFoundError:
+        return 0
+    finally:
+        await nc.close()
 
 
 async def ensure_stream(url: str) -> None:
@@ -549,6 +587,19 @@ def make_runners(plan: Plan, traffic: Path, pools: dict[int, Pool], tmp: Path) -
     return runners
 
 
+def saturated(results: dict[str, Any], plan: Plan, runner: Runner, size: int) -> float | None:
+    """The runner's median capacity at `size`, when below 1.1 x the offered
+    load: offered more than it can take, its queue only grows (or sheds), so
+    it has no latency to speak of. (The smoke run's bursts are too short to
+    judge capacity: it skips only the naive bridge.)"""
+    capacity = median([s["events_per_s"] for s in results["throughput"]
+                       if s["mode"] == runner.name and s["size"] == size])
+    if (capacity is not None and capacity < plan.latency_rate * 1.1
+            and (runner.mode == "naive" or not plan.smoke)):
+        return capacity
+    return None
+
+
 async def measure(plan: Plan) -> dict[str, Any]:
     started = time.time()
     load_before = os.getloadavg()
@@ -592,18 +643,22 @@ async def measure(plan: Plan) -> dict[str, Any]:
             results["processes"] = {r.name: info for r, info in zip(runners, stopped)}
             runners = make_runners(plan, traffic, pools, tmp)
             await asyncio.gather(*(r.start() for r in runners))
+            # Warm-up at the fixed load itself, unmeasured: a fresh process's
+            # first second (first calls, heap and buffer growth, a restarted
+            # nats-server reading its stream back) is not its steady state.
             for r in runners:
                 for size in plan.sizes:
-                    await r.throughput(size, min(plan.naive_events if r.mode == "naive" else plan.events, 20 * size))
+                    with alone(r, runners):
+                        if saturated(results, plan, r, size) is None:
+                            await r.latency(size, plan.latency_rate, plan.latency_warmup_s)
+                        else:
+                            await r.throughput(size, min(plan.naive_events if r.mode == "naive" else plan.events,
+                                                         20 * size))
             for rep in range(plan.latency_repeats):
                 for size in plan.sizes:
                     for r in runners:
-                        capacity = median([s["events_per_s"] for s in results["throughput"]
-                                           if s["mode"] == r.name and s["size"] == size])
-                        # (The smoke run's bursts are too short to judge capacity: it skips only the naive bridge.)
-                        if (capacity is not None and capacity < plan.latency_rate * 1.1
-                                and (r.mode == "naive" or not plan.smoke)):
-                            # Offered more than it can take, its queue only grows (or sheds): no latency to speak of.
+                        capacity = saturated(results, plan, r, size)
+                        if capacity is not None:
                             if rep == 0:
                                 results["latency"].append({"mode": r.name, "size": size, "skipped": (
                                     f"saturated: capacity {capacity:,.0f} ev/s < 1.1 x offered {plan.latency_rate:,.0f}")})

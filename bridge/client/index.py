@@ -25,6 +25,10 @@ Semantics (the README (Consumers) has the long form):
 - `stop`: the bridge stopped watching: the view is kept but skipped by queries
   until traffic or a `start` comes back.
 - Records and messages of an older epoch than the view's are ignored (counted).
+- A group message at or before the last one applied to its group (by seq,
+  part, chunk: what its Nats-Msg-Id names) is a copy, ignored and counted
+  (`duplicates_ignored`): in JetStream mode the bridge publishes again what was
+  not acked in time, and a core subscription sees both.
 """
 
 from __future__ import annotations
@@ -170,10 +174,18 @@ class ResidencyIndex:
         view = self._current(msg.worker, msg.dp_rank, msg.epoch)
         if view is None:
             return
+        g = view.group(msg.group, msg.kind, msg.family)
+        position = (msg.seq, msg.part, msg.chunk)
+        if g.last_position is not None and position <= g.last_position:
+            # A JetStream publish sent again (its ack was late or lost with a
+            # connection): the stream kept one copy, a core subscription sees
+            # both, and a store applied twice could outlive its removal.
+            view.duplicates_ignored += 1
+            return
+        g.last_position = position
         view.watching = True
         view.messages += 1
         view.topic = msg.topic
-        g = view.group(msg.group, msg.kind, msg.family)
         if msg.kind_source != "unknown" and (g.kind != msg.kind or g.family != msg.family):
             g.learn(msg.kind, msg.family)
         family = g.family

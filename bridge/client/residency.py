@@ -36,7 +36,7 @@ class GroupResidency:
     """One kv_cache_group of one worker and rank."""
 
     __slots__ = ("group", "kind", "family", "block_size", "window", "trusted", "suspect", "placeholders",
-                 "stored", "removed", "unknown_removals")
+                 "stored", "removed", "unknown_removals", "last_position")
 
     def __init__(self, group: int, kind: str, family: str) -> None:
         self.group = group
@@ -52,6 +52,9 @@ class GroupResidency:
         self.stored = 0
         self.removed = 0
         self.unknown_removals = 0
+        # (seq, part, chunk) of the last message applied: within one epoch a
+        # group's messages come in that order, so one at or below it is a copy.
+        self.last_position: tuple[int, int, int] | None = None
 
     def learn(self, kind: str, family: str) -> None:
         self.kind = kind
@@ -116,7 +119,8 @@ class WorkerView:
     """Everything the index knows about one (worker, dp_rank)."""
 
     __slots__ = ("key", "epoch", "groups", "topic", "last_seq", "last_ts", "last_received", "lag", "watching",
-                 "gaps", "restarts", "clears", "interruptions", "lost", "old_epoch_ignored", "messages")
+                 "gaps", "restarts", "clears", "interruptions", "lost", "old_epoch_ignored", "messages",
+                 "duplicates_ignored")
 
     def __init__(self, key: WorkerKey, epoch: int) -> None:
         self.key = key
@@ -134,6 +138,7 @@ class WorkerView:
         self.interruptions = 0
         self.lost: list[tuple[int, int]] = []
         self.old_epoch_ignored = 0
+        self.duplicates_ignored = 0
         self.messages = 0
 
     @property

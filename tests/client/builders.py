@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 from bridge.client.hashes import as_int
@@ -14,6 +15,10 @@ ATTN, STATE, WIN, OTHER_G = 0, 1, 2, 3
 KINDS = {ATTN: "full_attention", STATE: "mamba", WIN: "sliding_window", OTHER_G: "cross_attention"}
 BLOCK = 16
 WINDOW_TOKENS = 33  # vLLM needs ceil(32 / 16) = 2 blocks before a hit
+
+# Messages built without a seq come in the order they are built, as the bridge
+# publishes them (the index takes one at or before its group's last as a copy).
+_NEXT_SEQ = itertools.count(1)
 
 
 def hb(i: int) -> bytes:
@@ -41,11 +46,11 @@ def removed(hashes: Sequence[BlockHash], *, group: int = ATTN, medium: str = "GP
 
 
 def msg(events: list[BlockStored | BlockRemoved], *, group: int = ATTN, worker: str = "w", rank: int = 0,
-        epoch: int = 1, seq: int = 0, kind: str | None = None, source: KindSource = "event",
+        epoch: int = 1, seq: int | None = None, kind: str | None = None, source: KindSource = "event",
         ts: float = 1.0) -> GroupMessage:
     kind = kind or KINDS[group]
     return GroupMessage(
-        v=SCHEMA_VERSION, worker=worker, dp_rank=rank, epoch=epoch, seq=seq, ts=ts, group=group, kind=kind,
+        v=SCHEMA_VERSION, worker=worker, dp_rank=rank, epoch=epoch, seq=next(_NEXT_SEQ) if seq is None else seq, ts=ts, group=group, kind=kind,
         family=family_of(kind), kind_source=source, events=events,
     )
 

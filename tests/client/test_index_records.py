@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from bridge.client.index import ResidencyIndex
 from bridge.client.subscribe import Interruption
 from tests.client.builders import ATTN, STATE, hb, msg, record, removed, stored
@@ -125,3 +127,28 @@ def test_kind_learned_late_updates_the_family() -> None:
     assert view is not None and view.groups[STATE].family == "other"
     index.apply(msg([stored([CHAIN[0]], group=STATE)], group=STATE))
     assert view.groups[STATE].family == "state"
+
+
+def test_a_message_published_again_is_applied_once() -> None:
+    # JetStream mode on a core subscription: the store at seq 5 went out, its
+    # ack was late, the removal at seq 6 followed, then the store went again.
+    store = msg([stored(CHAIN[:3])], seq=5)
+    index = _fed(store, msg([removed([CHAIN[2]])], seq=6), store)
+    view = index.view("w", 0)
+    assert view is not None and view.duplicates_ignored == 1 and view.messages == 2
+    assert _blocks(index) == 2
+    # groups are ordered apart: the state group's seq 5 is no copy
+    index.apply(msg([stored([CHAIN[2]], group=STATE)], group=STATE, seq=5))
+    assert view.duplicates_ignored == 1 and STATE in view.groups
+
+
+def test_copies_are_told_by_part_and_chunk_within_a_seq() -> None:
+    first = msgspec.structs.replace(msg([stored(CHAIN[:1])], seq=3), chunk=0, chunks=2)
+    second = msgspec.structs.replace(msg([stored(CHAIN[1:2])], seq=3), chunk=1, chunks=2)
+    after_clear = msgspec.structs.replace(msg([stored(CHAIN[:1])], seq=3), part=1)
+    index = _fed(first, second, first, after_clear, second)
+    view = index.view("w", 0)
+    assert view is not None and view.duplicates_ignored == 2 and view.messages == 3
+    # a new epoch starts the order again
+    index.apply(msg([stored(CHAIN[:2])], epoch=2, seq=0))
+    assert _blocks(index) == 2 and view.duplicates_ignored == 2

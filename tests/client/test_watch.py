@@ -74,7 +74,7 @@ async def test_watch_once_shows_the_worker_its_groups_and_liveness(
 
 def test_table_marks_stale_views_and_shows_suspect_counts() -> None:
     index = ResidencyIndex()
-    index.apply(msg([stored([hb(i) for i in range(5)])], worker="a"))
+    index.apply(msg([stored([hb(i) for i in range(5)])], worker="a", seq=1))
     index.apply(record("gap", worker="a", gap=(1, 3)))
     index.apply(msg([stored([hb(9)], medium="CPU")], worker="a", seq=4))
     console = Console(width=160, record=True)

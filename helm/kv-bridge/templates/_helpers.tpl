@@ -179,6 +179,10 @@ The sidecar's environment.
 - name: KVB_REPLAY_TIMEOUT
   value: {{ $b.replayTimeout | quote }}
 {{- end }}
+{{- if not (kindIs "invalid" $b.coalesceMs) }}
+- name: KVB_COALESCE_MS
+  value: {{ $b.coalesceMs | quote }}
+{{- end }}
 - name: KVB_HTTP_HOST
   value: "0.0.0.0"
 - name: KVB_HTTP_PORT
@@ -227,6 +231,18 @@ The sidecar's environment.
 {{- if not (kindIs "invalid" $b.jetstream.replicas) }}
 - name: KVB_STREAM_REPLICAS
   value: {{ $b.jetstream.replicas | int64 | quote }}
+{{- end }}
+{{- if not (kindIs "invalid" $b.jetstream.maxPending) }}
+- name: KVB_JS_MAX_PENDING
+  value: {{ $b.jetstream.maxPending | int64 | quote }}
+{{- end }}
+{{- if not (kindIs "invalid" $b.jetstream.maxPendingBytes) }}
+- name: KVB_JS_MAX_PENDING_BYTES
+  value: {{ $b.jetstream.maxPendingBytes | int64 | quote }}
+{{- end }}
+{{- if not (kindIs "invalid" $b.jetstream.ackTimeout) }}
+- name: KVB_JS_ACK_TIMEOUT
+  value: {{ $b.jetstream.ackTimeout | quote }}
 {{- end }}
 {{- end }}
 {{- with $b.extraEnv }}
