@@ -39,12 +39,15 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.api
 import nats.js.errors
 
 from bench.counter import Counter
 from bench.stats import cpu_seconds, median, memory_mb, own_cpu_seconds, reset_peak_rss
 from bench.traffic import Pool, cached
+from bridge.config import add_run_arguments, load_settings
 from bridge.embedded.nats_server import NatsServerProcess, find_nats_server, free_port
+from bridge.sink.jetstream import stream_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -280,7 +283,7 @@ class Runner:
             argv = [py, "-m", "bench.minimal", "--endpoint", endpoint, "--nats-port", str(self.server.port),
                     "--traffic", str(self.traffic)]
             if self.mode == "minimal-js":
-                await ensure_stream(self.server.url)
+                await ensure_stream(self.server.url, bridge_stream_config([*plan.bridge_args, *self.extra_flags]))
                 argv.append("--jetstream")
             self.consumer = Child(self.name, argv, plan.log_dir, True)
             await self.consumer.start()
@@ -306,7 +309,7 @@ class Runner:
             if not await http_ready(http_port, 60):
                 raise RuntimeError(f"{self.name}: bridge not ready; see {self.consumer.log_path}")
             if self.mode == "jetstream":
-                await ensure_stream(self.server.url)
+                await ensure_stream(self.server.url, bridge_stream_config([*plan.bridge_args, *self.extra_flags]))
         if self.server is not None:
             self.counter = Counter(naive=self.mode == "naive")
             await self.counter.connect("127.0.0.1", self.server.port, "naive.>" if self.mode == "naive" else "kv.>")
@@ -445,7 +448,19 @@ async def stored_messages(url: str) -> int:
         await nc.close()
 
 
-async def ensure_stream(url: str) -> None:
+def bridge_stream_config(bridge_args: list[str]) -> nats.js.api.StreamConfig:
+    """The stream kv-bridge creates with these flags (--bridge-arg), so that
+    the minimal relay stores into one configured alike: limits and
+    de-duplication window cost nats-server work on every message."""
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args, _ = parser.parse_known_args(["--zmq-endpoint", "tcp://127.0.0.1:1", "--worker-id", "bench", *bridge_args])
+    config = stream_config(load_settings(args, {}))
+    assert config.name == STREAM, "the benchmark reads the stream by its default name"
+    return config
+
+
+async def ensure_stream(url: str, config: nats.js.api.StreamConfig) -> None:
     """The stream the bridge publishes to. If the bridge made it, keep it."""
     nc = await nats.connect(url)
     try:
@@ -459,7 +474,7 @@ async def ensure_stream(url: str) -> None:
                 if time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.1)
-        await js.add_stream(name=STREAM, subjects=["kv.>"])
+        await js.add_stream(config)
     finally:
         await nc.close()
 
@@ -641,6 +656,10 @@ async def measure(plan: Plan) -> dict[str, Any]:
             # (glibc keeps it), which would hide what the steady state needs.
             stopped = await asyncio.gather(*(r.stop() for r in runners))
             results["processes"] = {r.name: info for r, info in zip(runners, stopped)}
+            # The bursts leave the streams' files dirty in the page cache (GBs,
+            # up to the kernel's dirty limit), written back over the next minute
+            # on the same CPUs and disk: out of the latency runs' way first.
+            await asyncio.to_thread(os.sync)
             runners = make_runners(plan, traffic, pools, tmp)
             await asyncio.gather(*(r.start() for r in runners))
             # Warm-up at the fixed load itself, unmeasured: a fresh process's

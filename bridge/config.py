@@ -76,7 +76,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--jetstream", "bool", False, "Publish to a JetStream stream with acks and de-duplication, and resume from it on start."),
     Option("--stream-name", "str", "KV_EVENTS", "JetStream stream name (created or verified at start)."),
     Option("--stream-max-age", "float", 3600.0, "Stream limit: seconds a message is kept."),
-    Option("--stream-max-msgs-per-subject", "int", 100000, "Stream limit: messages kept per subject."),
+    Option("--stream-max-bytes", "int", 1024 * 1024 * 1024, "Stream limit: bytes kept, oldest messages dropped first (-1: no bound)."),
+    Option("--stream-max-msgs-per-subject", "int", -1, "Stream limit: messages kept per subject (-1: no bound). Costly at high rates: nats-server then deletes one old message of that subject, scattered through its files, for every new one."),
     Option("--stream-duplicate-window", "float", 120.0, "Stream de-duplication window in seconds (Nats-Msg-Id)."),
     Option("--stream-replicas", "int", 1, "Stream replicas."),
     Option("--js-max-pending", "int", 16384, "JetStream publishes in flight without an ack: enough to ride out a stream's pauses of a few hundred ms without holding up live delivery (a reconnect sends them again; --js-max-pending-bytes bounds their memory)."),
@@ -123,6 +124,7 @@ class Settings(msgspec.Struct, frozen=True):
     jetstream: bool
     stream_name: str
     stream_max_age: float
+    stream_max_bytes: int
     stream_max_msgs_per_subject: int
     stream_duplicate_window: float
     stream_replicas: int
@@ -350,6 +352,11 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
     check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
     check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")
+    check(values["stream_max_age"] >= 0, "--stream-max-age", "must be 0 (no bound) or positive")
+    check(values["stream_max_bytes"] == -1 or values["stream_max_bytes"] >= 1024 * 1024, "--stream-max-bytes",
+          "must be -1 (no bound) or at least 1 MiB")
+    check(values["stream_max_msgs_per_subject"] == -1 or values["stream_max_msgs_per_subject"] >= 1,
+          "--stream-max-msgs-per-subject", "must be -1 (no bound) or at least 1")
     check(values["js_max_pending"] >= 1, "--js-max-pending", "must be at least 1")
     check(values["js_max_pending_bytes"] >= 1024 * 1024, "--js-max-pending-bytes", "must be at least 1 MiB")
     check(values["js_ack_timeout"] > 0, "--js-ack-timeout", "must be positive")

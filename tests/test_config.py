@@ -68,6 +68,10 @@ def test_bad_values_name_their_option() -> None:
         make_settings(coalesce_ms="-1")
     with pytest.raises(ConfigError, match="--js-max-pending-bytes"):
         make_settings(js_max_pending_bytes="1000")
+    with pytest.raises(ConfigError, match="--stream-max-bytes"):
+        make_settings(stream_max_bytes="0")
+    with pytest.raises(ConfigError, match="--stream-max-msgs-per-subject"):
+        make_settings(stream_max_msgs_per_subject="0")
 
 
 def test_readme_configuration_table_is_current() -> None:

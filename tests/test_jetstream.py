@@ -12,6 +12,7 @@ from collections import Counter
 import anyio
 import msgspec
 import nats
+import nats.js.api
 import pytest
 
 from bridge.contract import GroupMessage, WorkerRecord
@@ -63,6 +64,10 @@ async def test_jetstream_mode_stores_every_batch_once(nats_server: NatsServerPro
     info = await nc.jetstream().stream_info("KV_EVENTS")
     await nc.close()
     assert info.config.subjects == ["kv.>"] and info.config.allow_direct and info.config.max_age == 600
+    # Bounded by bytes, oldest first, not per subject (nats-server would delete
+    # one old message scattered through its files for every new one).
+    assert info.config.max_bytes == 1024**3 and info.config.max_msgs_per_subject == -1
+    assert info.config.discard == nats.js.api.DiscardPolicy.OLD
 
 
 async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: NatsServerProcess) -> None:

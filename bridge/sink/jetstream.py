@@ -51,6 +51,7 @@ def stream_config(settings: Settings) -> nats.js.api.StreamConfig:
         retention=nats.js.api.RetentionPolicy.LIMITS,
         storage=nats.js.api.StorageType.FILE,
         max_age=settings.stream_max_age,
+        max_bytes=settings.stream_max_bytes,
         max_msgs_per_subject=settings.stream_max_msgs_per_subject,
         duplicate_window=settings.stream_duplicate_window,
         num_replicas=settings.stream_replicas,
@@ -68,7 +69,8 @@ async def ensure_stream(js: nats.js.JetStreamContext, settings: Settings) -> Non
     except nats.js.errors.NotFoundError:
         await js.add_stream(wanted)
         log.info("stream_created", stream=settings.stream_name, subjects=wanted.subjects, max_age=wanted.max_age,
-                 max_msgs_per_subject=wanted.max_msgs_per_subject, duplicate_window=wanted.duplicate_window)
+                 max_bytes=wanted.max_bytes, max_msgs_per_subject=wanted.max_msgs_per_subject,
+                 duplicate_window=wanted.duplicate_window)
         return
     have = info.config
     subject = f"{settings.subject_prefix}.>"
@@ -78,7 +80,7 @@ async def ensure_stream(js: nats.js.JetStreamContext, settings: Settings) -> Non
         )
     if not have.allow_direct:
         raise StreamConfigError(f"stream {settings.stream_name} needs allow_direct for resume")
-    log.info("stream_verified", stream=settings.stream_name, max_age=have.max_age,
+    log.info("stream_verified", stream=settings.stream_name, max_age=have.max_age, max_bytes=have.max_bytes,
              max_msgs_per_subject=have.max_msgs_per_subject, duplicate_window=have.duplicate_window)
 
 

@@ -179,6 +179,7 @@ def test_env_and_args_reach_the_sidecar() -> None:
         "KVB_JETSTREAM": "true",
         "KVB_STREAM_NAME": "KV_EVENTS_PROD",
         "KVB_STREAM_MAX_AGE": "7200",
+        "KVB_STREAM_MAX_BYTES": "4294967296",
         "KVB_STREAM_MAX_MSGS_PER_SUBJECT": "200000",
         "KVB_STREAM_DUPLICATE_WINDOW": "300",
         "KVB_STREAM_REPLICAS": "3",

@@ -50,7 +50,8 @@ def msg(events: list[BlockStored | BlockRemoved], *, group: int = ATTN, worker: 
         ts: float = 1.0) -> GroupMessage:
     kind = kind or KINDS[group]
     return GroupMessage(
-        v=SCHEMA_VERSION, worker=worker, dp_rank=rank, epoch=epoch, seq=next(_NEXT_SEQ) if seq is None else seq, ts=ts, group=group, kind=kind,
+        v=SCHEMA_VERSION, worker=worker, dp_rank=rank, epoch=epoch,
+        seq=next(_NEXT_SEQ) if seq is None else seq, ts=ts, group=group, kind=kind,
         family=family_of(kind), kind_source=source, events=events,
     )
 

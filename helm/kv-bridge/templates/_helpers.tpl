@@ -220,6 +220,10 @@ The sidecar's environment.
 - name: KVB_STREAM_MAX_AGE
   value: {{ $b.jetstream.maxAge | quote }}
 {{- end }}
+{{- if not (kindIs "invalid" $b.jetstream.maxBytes) }}
+- name: KVB_STREAM_MAX_BYTES
+  value: {{ $b.jetstream.maxBytes | int64 | quote }}
+{{- end }}
 {{- if not (kindIs "invalid" $b.jetstream.maxMsgsPerSubject) }}
 - name: KVB_STREAM_MAX_MSGS_PER_SUBJECT
   value: {{ $b.jetstream.maxMsgsPerSubject | int64 | quote }}
