@@ -333,6 +333,7 @@ class Runner:
             reset_peak_rss(self.consumer.pid)
         server_pid = self.server.proc.pid if self.server is not None and self.server.proc is not None else None
         stored0 = await stored_messages(self.server.url) if self.stores else 0
+        waited0 = await self._window_wait_s()
         cpu0 = cpu_seconds(self.consumer.pid)
         server0 = cpu_seconds(server_pid) if server_pid else 0.0
         self0 = own_cpu_seconds()
@@ -360,6 +361,7 @@ class Runner:
         seconds = max(t_last - pub["t0"], 1e-9)
         if self.mode == "jetstream":
             await self.acks_in()
+        waited1 = await self._window_wait_s()
         stored = None
         if self.stores and self.counter is not None:
             # Every message delivered is also in the stream: a relay whose
@@ -370,6 +372,8 @@ class Runner:
             "mode": self.name, "size": size, "batches": batches, "events": events, "expected": want,
             "delivered": delivered, "ok": ok, "gap_records": gaps, "seconds": round(seconds, 4),
             "stored_messages": stored,
+            # Seconds kv-bridge held publishing back for the stream's acks (its window was full).
+            "js_window_wait_s": None if waited0 is None or waited1 is None else round(waited1 - waited0, 3),
             "events_per_s": round(events / seconds), "cpu_s": round(cpu1 - cpu0, 3),
             "cpu_s_per_m_events": round((cpu1 - cpu0) / events * 1e6, 2),
             "nats_server_cpu_s": round(server1 - server0, 3), "counter_cpu_s": round(self1 - self0, 3),
@@ -377,6 +381,11 @@ class Runner:
             "publisher_late_max_ms": round(pub["late_max_s"] * 1e3, 2), "latency": lat,
             **memory_mb(self.consumer.pid),
         }
+
+    async def _window_wait_s(self) -> float | None:
+        if self.mode != "jetstream":
+            return None
+        return await scrape(self.http_port, "kvbridge_js_window_wait_seconds_total")
 
     @property
     def stores(self) -> bool:

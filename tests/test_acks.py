@@ -4,9 +4,18 @@ overdue messages handed back for another publish."""
 from __future__ import annotations
 
 import anyio
+import pytest
 
-from bridge.sink.acks import AckWindow, ack_error
+from bridge.sink.acks import AckWindow, ack_error, take_acks
+from bridge.sink.connection import BridgeClient
 from bridge.sink.encode import Outgoing
+
+PREFIX = b"MSG _INBOX.abc."
+
+
+def _ack(token: int, seq: int) -> bytes:
+    payload = b'{"stream":"KV_EVENTS","seq":%d}' % seq
+    return b"MSG _INBOX.abc.%d 7 %d\r\n%s\r\n" % (token, len(payload), payload)
 
 
 def _msg(i: int) -> Outgoing:
@@ -94,3 +103,36 @@ def test_wait_below_returns_only_when_bytes_are_low_enough() -> None:
         return len(win), win.bytes
 
     assert anyio.run(main) == (2, 2000)
+
+
+def test_take_acks_hands_over_whole_ack_frames_and_stops_at_anything_else() -> None:
+    got: list[tuple[bytes, bytes]] = []
+    data = _ack(0, 10) + _ack(1, 11) + b"PING\r\n" + _ack(2, 12)
+    used = take_acks(data, PREFIX, lambda subject, payload, _h: got.append((subject, payload)))
+    assert data[used:].startswith(b"PING\r\n")
+    assert got == [(b"_INBOX.abc.0", b'{"stream":"KV_EVENTS","seq":10}'),
+                   (b"_INBOX.abc.1", b'{"stream":"KV_EVENTS","seq":11}')]
+    # cut by the read (in the control line or the payload): left for nats-py's parser
+    whole = _ack(3, 13)
+    for cut in range(1, len(whole)):
+        assert take_acks(_ack(4, 14) + whole[:cut], PREFIX, lambda *_: None) == len(_ack(4, 14))
+    # another subscription's message, or one with a reply subject: not an ack
+    assert take_acks(b"MSG _INBOX.other.1 9 2\r\n{}\r\n", PREFIX, lambda *_: None) == 0
+    assert take_acks(b"MSG _INBOX.abc.1 7 _R.x 2\r\n{}\r\n", PREFIX, lambda *_: None) == 0
+
+
+@pytest.mark.anyio
+async def test_acks_arrive_once_in_order_however_the_reads_cut_the_stream() -> None:
+    """Acks around other protocol lines, split into two reads at every byte:
+    the shortcut and nats-py's parser between them hand every ack over once, in order."""
+    stream = (_ack(0, 1) + _ack(1, 2) + b"+OK\r\n" + _ack(2, 3)
+              + b"MSG kv.other 9 2\r\n{}\r\n" + _ack(3, 4) + _ack(4, 5))
+    for cut in range(len(stream) + 1):
+        nc = BridgeClient()
+        got: list[bytes] = []
+        nc.ack_sid = 7
+        nc.ack_prefix = PREFIX
+        nc.on_ack = lambda subject, _payload, _h, got=got: got.append(subject)  # type: ignore[misc]
+        await nc._ps.parse(stream[:cut])  # noqa: SLF001
+        await nc._ps.parse(stream[cut:])  # noqa: SLF001
+        assert got == [b"_INBOX.abc.%d" % i for i in range(5)], cut

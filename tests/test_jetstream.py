@@ -54,6 +54,7 @@ async def test_jetstream_mode_stores_every_batch_once(nats_server: NatsServerPro
             for _ in range(50):
                 pub.publish(workload.batch(16))
             await wait_published(bridge, 50)
+            assert metric(bridge, "kvbridge_js_window_waits_total") == 0  # 50 batches fit the window
     finally:
         pub.close()
     contents = await stream_contents(nats_server.url)
@@ -96,6 +97,9 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
                 pub.publish(workload.batch(512))
             await wait_published(bridge, 40)
             tg.cancel_scope.cancel()
+            # Publishing waited for acks, and the counters say so.
+            assert metric(bridge, "kvbridge_js_window_waits_total") >= 1
+            assert metric(bridge, "kvbridge_js_window_wait_seconds_total") > 0
             # The gauges follow the window and come back to 0 once every ack is in.
             with anyio.fail_after(10):
                 while metric(bridge, "kvbridge_js_in_flight_messages") or metric(bridge, "kvbridge_js_in_flight_bytes"):

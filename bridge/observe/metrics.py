@@ -130,6 +130,10 @@ class _HotCollector(Collector):
         yield seq
         yield HistogramMetricFamily("kvbridge_lag_seconds", "vLLM batch timestamp to NATS publish.",
                                     buckets=m.lag.cumulative(), sum_value=m.lag.total)
+        yield _counter("kvbridge_js_window_waits", "Times publishing waited for JetStream acks (the ack window was full).",
+                       m.js_window_waits)
+        yield _counter("kvbridge_js_window_wait_seconds",
+                       "Seconds publishing waited for JetStream acks (the ack window was full).", m.js_window_wait_s)
         messages, size = m.js_in_flight()
         yield GaugeMetricFamily("kvbridge_js_in_flight_messages", "JetStream publishes awaiting their ack.",
                                 value=messages)
@@ -194,6 +198,8 @@ class Metrics:
         # the sink's ack window, which sets this once it exists.
         self.js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
         self.lag = Buckets(LAG_BUCKETS)
+        self.js_window_waits = Count()
+        self.js_window_wait_s = Count()
         r.register(_HotCollector(self))
 
     def render(self) -> bytes:

@@ -10,6 +10,7 @@ cost more than everything else the bridge does per message.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import anyio
 
@@ -30,6 +31,30 @@ def ack_error(data: bytes, headers: bytes | None) -> str | None:
     if not data.startswith(b"{"):
         return "not a PubAck"
     return None
+
+
+def take_acks(data: bytes, prefix: bytes, on_ack: Callable[[bytes, bytes, bytes | None], None]) -> int:
+    """Hands the whole `MSG <inbox>.<token> <sid> <size>` frames at the start
+    of `data` (`prefix` is `MSG <inbox>.`) to `on_ack`; returns the bytes they
+    took. Stops at anything else and at a frame the read cut off: nats-py's
+    parser takes the rest. A PubAck has neither reply subject nor headers."""
+    pos = 0
+    end = len(data)
+    find = data.find
+    while data.startswith(prefix, pos):
+        eol = find(b"\r\n", pos)
+        if eol < 0:
+            break
+        parts = data[pos + 4 : eol].split(b" ")
+        if len(parts) != 3 or not parts[2].isdigit():
+            break
+        start = eol + 2
+        stop = start + int(parts[2])
+        if stop + 2 > end:
+            break
+        on_ack(parts[0], data[start:stop], None)
+        pos = stop + 2
+    return pos
 
 
 class _Pending:

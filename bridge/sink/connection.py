@@ -8,10 +8,34 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
+from nats.protocol.parser import AWAITING_CONTROL_LINE, Parser
 
 from bridge.config import Settings
+from bridge.sink.acks import take_acks
 
 AckHandler = Callable[[bytes, bytes, bytes | None], None]
+
+
+class _AckParser(Parser):
+    """nats-py's protocol parser, except that the ack frames a read begins
+    with are handed to the client's `on_ack` before it runs: its regex,
+    buffer copies and await cost 1.3 us per ack, at up to 20 000 acks a
+    second. Frames after anything else, or cut by the read, take its path."""
+
+    def __init__(self, nc: BridgeClient) -> None:
+        super().__init__(nc)
+        self._client = nc
+
+    async def parse(self, data: bytes = b"") -> None:
+        nc = self._client
+        on_ack = nc.on_ack
+        if on_ack is not None and nc.ack_prefix and not self.buf and self.state == AWAITING_CONTROL_LINE:
+            used = take_acks(data, nc.ack_prefix, on_ack)
+            if used:
+                data = data[used:]
+                if not data:
+                    return
+        await super().parse(data)
 
 
 class BridgeClient(NatsClient):
@@ -23,7 +47,10 @@ class BridgeClient(NatsClient):
     def __init__(self) -> None:
         super().__init__()
         self.ack_sid = -1
+        # `MSG <inbox>.`: how every ack frame begins.
+        self.ack_prefix = b""
         self.on_ack: AckHandler | None = None
+        self._ps = _AckParser(self)
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
         on_ack = self.on_ack

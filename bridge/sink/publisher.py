@@ -147,6 +147,7 @@ class NatsSink:
             self._acks = AckWindow(nc.new_inbox())
             sub = await nc.subscribe(f"{self._acks.inbox}.*")
             nc.ack_sid = sub._id  # noqa: SLF001
+            nc.ack_prefix = f"MSG {self._acks.inbox}.".encode()
             nc.on_ack = self._acks.on_ack
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
@@ -182,9 +183,12 @@ class NatsSink:
                     if len(acks) >= self._settings.js_max_pending or acks.bytes >= self._settings.js_max_pending_bytes:
                         # Let acks catch up to half the window, then publish on
                         # in bulk: one write per many messages.
+                        waited = time.monotonic()
                         await acks.wait_below(
                             self._settings.js_max_pending // 2, 0.05, self._settings.js_max_pending_bytes // 2
                         )
+                        metrics.js_window_waits.value += 1
+                        metrics.js_window_wait_s.value += time.monotonic() - waited
                         continue
                 await self._publish(batch)
             except _RETRYABLE as exc:
