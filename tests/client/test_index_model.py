@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from bridge.client.index import ResidencyIndex
 from bridge.client.subscribe import Interruption
+from bridge.contract import GroupMessage
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, record, removed, stored
 
 POOL = 6  # hash ids 0..5; a request's chain is mostly 0, 1, 2, ... as real chains are
@@ -32,6 +33,7 @@ class RankModel:
     log: list[tuple] = field(default_factory=list)  # type: ignore[type-arg]
     watching: bool = True
     pending_reset: bool = False  # the epoch moved on without a record
+    sent: list[GroupMessage] = field(default_factory=list)  # since the view's last reset
 
 
 def replay(log: list[tuple]) -> tuple[dict, dict, dict, Counter, set]:  # type: ignore[type-arg]
@@ -116,12 +118,24 @@ class IndexVersusModel(RuleBasedStateMachine):
         model = self.ranks[rank]
         if model.pending_reset:
             model.log.clear()
+            model.sent.clear()
             model.pending_reset = False
         return model
 
     def _send(self, rank: int, group: int, event: object) -> None:
         self.seq += 1
-        self.index.apply(msg([event], group=group, rank=rank, epoch=self.ranks[rank].epoch, seq=self.seq))  # type: ignore[list-item]
+        message = msg([event], group=group, rank=rank, epoch=self.ranks[rank].epoch, seq=self.seq)  # type: ignore[list-item]
+        self.ranks[rank].sent.append(message)
+        self.index.apply(message)
+
+    @rule(data=st.data())
+    def a_message_published_again(self, data: st.DataObject) -> None:
+        """JetStream mode on a core subscription: a publish whose ack was late
+        goes again, after later ones. The stream keeps one copy; the index too."""
+        current = [m for model in self.ranks.values() if not model.pending_reset for m in model.sent]
+        if not current:
+            return
+        self.index.apply(data.draw(st.sampled_from(current)))
 
     @rule(rank=st.sampled_from(RANKS), group=st.sampled_from(GROUPS), medium=st.sampled_from(MEDIA), ids=some_ids)
     def store(self, rank: int, group: int, medium: str, ids: list[int]) -> None:
@@ -203,6 +217,7 @@ class IndexVersusModel(RuleBasedStateMachine):
         elif what == "restart":
             model.epoch += 1
             model.log.clear()
+            model.sent.clear()
             model.pending_reset = False
             model.watching = True
             self.index.apply(record("restart", rank=rank, epoch=model.epoch, seq=0))
@@ -213,6 +228,7 @@ class IndexVersusModel(RuleBasedStateMachine):
         elif what in ("fresh_start", "resumed_start"):
             if what == "fresh_start":
                 model.log.clear()
+                model.sent.clear()
             model.pending_reset = False
             model.watching = True
             self.index.apply(record("start", rank=rank, epoch=model.epoch,
