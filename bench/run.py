@@ -254,6 +254,11 @@ class Runner:
         return self.label or self.mode
 
     @property
+    def bridge_flags(self) -> list[str]:
+        """kv-bridge's flags for this runner; they also shape the stream the minimal relay stores into."""
+        return [*self.plan.bridge_args, *self.extra_flags]
+
+    @property
     def is_bridge(self) -> bool:
         return self.mode in ("core", "jetstream")
 
@@ -283,7 +288,7 @@ class Runner:
             argv = [py, "-m", "bench.minimal", "--endpoint", endpoint, "--nats-port", str(self.server.port),
                     "--traffic", str(self.traffic)]
             if self.mode == "minimal-js":
-                await ensure_stream(self.server.url, bridge_stream_config([*plan.bridge_args, *self.extra_flags]))
+                await ensure_stream(self.server.url, bridge_stream_config(self.bridge_flags))
                 argv.append("--jetstream")
             self.consumer = Child(self.name, argv, plan.log_dir, True)
             await self.consumer.start()
@@ -300,7 +305,7 @@ class Runner:
             http_port = self.http_port = free_port()
             argv = [py, "-m", "bridge", "run", "--zmq-endpoint", endpoint, "--nats-url", self.server.url,
                     "--worker-id", f"bench-{self.name}", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-                    "--log-level", "warning", "--log-format", "json", *plan.bridge_args, *self.extra_flags]
+                    "--log-level", "warning", "--log-format", "json", *self.bridge_flags]
             if self.mode == "jetstream":
                 argv.append("--jetstream")
             # `python -m bridge` imports the package from its working directory first.
@@ -309,7 +314,7 @@ class Runner:
             if not await http_ready(http_port, 60):
                 raise RuntimeError(f"{self.name}: bridge not ready; see {self.consumer.log_path}")
             if self.mode == "jetstream":
-                await ensure_stream(self.server.url, bridge_stream_config([*plan.bridge_args, *self.extra_flags]))
+                await ensure_stream(self.server.url, bridge_stream_config(self.bridge_flags))
         if self.server is not None:
             self.counter = Counter(naive=self.mode == "naive")
             await self.counter.connect("127.0.0.1", self.server.port, "naive.>" if self.mode == "naive" else "kv.>")
