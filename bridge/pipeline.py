@@ -135,6 +135,14 @@ class StreamPipeline:
         self._log.warning("gap", first=lost.first, last=lost.last, reason="queue_overflow")
         return self.record("gap", gap=(lost.first, lost.last), reason="queue_overflow", epoch=lost.epoch)
 
+    def refused(self, batch: OutBatch) -> None:
+        """The stream refused part of `batch` for good: a gap names it. The
+        record may follow later batches; its epoch is the batch's."""
+        self._metrics.gaps.labels("refused").inc()
+        self._metrics.gap_batches.inc()
+        self._log.warning("gap", first=batch.seq, last=batch.seq, reason="refused")
+        self._queue.put(self.record("gap", gap=(batch.seq, batch.seq), reason="refused", epoch=batch.epoch))
+
     def _announce_gap(self, first: int, last: int, reason: str) -> None:
         if last < first:
             return

@@ -48,6 +48,7 @@ class Bridge:
             self.metrics.dropped_by["queue_overflow"].inc, settings.max_buffered_bytes,
         )
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health)
+        self.sink.on_refused = self._refused
         self._subscribed = 0
         self.ready = anyio.Event()
 
@@ -82,6 +83,9 @@ class Bridge:
 
     def _gap_batch(self, lost: LostRange) -> OutBatch:
         return self._pipelines[lost.stream].gap_batch(lost)
+
+    def _refused(self, batch: OutBatch) -> None:
+        self._pipelines[batch.stream].refused(batch)
 
     def _on_subscribed(self) -> None:
         self._subscribed += 1

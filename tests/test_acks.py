@@ -9,6 +9,7 @@ import pytest
 from bridge.sink.acks import AckWindow, ack_error, take_acks
 from bridge.sink.connection import BridgeClient
 from bridge.sink.encode import Outgoing
+from bridge.sink.queue import OutBatch
 
 PREFIX = b"MSG _INBOX.abc."
 
@@ -31,16 +32,17 @@ def test_ack_error_tells_pubacks_from_refusals() -> None:
     assert ack_error(b"garbage", None) == "not a PubAck"
 
 
-def test_acks_settle_by_token_in_any_order_and_refusals_come_back() -> None:
+def test_acks_settle_by_token_in_any_order_and_refusals_come_back_with_their_batch() -> None:
     win = AckWindow("_INBOX.abc")
-    replies = [win.reply_to(_msg(i), generation=0, now=0.0) for i in range(4)]
+    batch = OutBatch(stream=0, epoch=7, seq=41, vllm_ts=0.0, messages=[_msg(0)])
+    replies = [win.reply_to(_msg(i), generation=0, now=0.0, origin=batch if i == 0 else None) for i in range(4)]
     assert replies == [f"_INBOX.abc.{i}" for i in range(4)] and len(win) == 4
     win.on_ack(b"_INBOX.abc.2", b'{"stream":"S","seq":1}', None)
     win.on_ack(b"_INBOX.abc.0", b'{"error":{"code":500,"description":"boom"}}', None)
     win.on_ack(b"_INBOX.abc.0", b'{"stream":"S","seq":2}', None)  # a late duplicate ack: ignored
     win.on_ack(b"_INBOX.abc.junk", b'{"stream":"S","seq":3}', None)
     assert len(win) == 2
-    assert [(m.subject, "boom" in why) for m, why in win.failed] == [("kv.w.0", True)]
+    assert [(m.subject, b, "boom" in why) for m, b, why in win.failed] == [("kv.w.0", batch, True)]
 
 
 def test_overdue_takes_out_the_late_and_those_of_a_lost_connection_oldest_first() -> None:
@@ -50,9 +52,9 @@ def test_overdue_takes_out_the_late_and_those_of_a_lost_connection_oldest_first(
     win.reply_to(_msg(3), generation=1, now=3.0)
     assert win.first_generation() == 0 and win.oldest_age(4.0) == 4.0
     # generation 1 is current: everything sent on generation 0 is owed again.
-    assert [m.subject for m in win.overdue(now=3.5, timeout=5.0, generation=1)] == ["kv.w.0", "kv.w.1", "kv.w.2"]
+    assert [m.subject for m, _ in win.overdue(now=3.5, timeout=5.0, generation=1)] == ["kv.w.0", "kv.w.1", "kv.w.2"]
     assert win.overdue(now=3.5, timeout=5.0, generation=1) == []
-    assert [m.subject for m in win.overdue(now=9.0, timeout=5.0, generation=1)] == ["kv.w.3"]
+    assert [m.subject for m, _ in win.overdue(now=9.0, timeout=5.0, generation=1)] == ["kv.w.3"]
     assert len(win) == 0
 
 
@@ -77,7 +79,7 @@ def test_the_window_counts_its_bytes_and_waits_for_room_by_bytes() -> None:
     win.on_ack(b"_I.0", b'{"stream":"S","seq":1}', None)
     win.on_ack(b"_I.1", b'{"error":{"code":500,"description":"boom"}}', None)
     assert win.bytes == 2 * 1024  # a refused one is no longer in flight: it waits in `failed`
-    assert [m.subject for m in win.overdue(now=10.0, timeout=5.0, generation=0)] == ["kv.w.2", "kv.w.3"]
+    assert [m.subject for m, _ in win.overdue(now=10.0, timeout=5.0, generation=0)] == ["kv.w.2", "kv.w.3"]
     assert win.bytes == 0
     for i in range(4, 7):
         last = win.reply_to(big(i), 0, 20.0)

@@ -222,3 +222,71 @@ async def test_resume_recognises_a_vllm_restart_while_the_bridge_was_down(nats_s
     assert {seq for e, seq, _ in keys if e == epochs[1]} == set(range(15))
     restarts = [b for _, b in contents if isinstance(b, WorkerRecord) and b.type == "restart"]
     assert len(restarts) == 1 and restarts[0].epoch == epochs[1]
+
+
+async def test_a_message_the_stream_refuses_for_good_is_given_up_and_named_by_a_gap(
+    nats_server: NatsServerProcess,
+) -> None:
+    """An operator's stream that takes at most 8 KiB per message refuses the
+    slices of one 512-event batch every time. The bridge gives them up after a
+    few tries, names that batch by a `gap` record, and keeps storing the later
+    batches: one message the stream never takes does not stop the worker's feed."""
+    nc = await nats.connect(nats_server.url)
+    await nc.jetstream().add_stream(name="KV_EVENTS", subjects=["kv.>"], max_msg_size=8192, allow_direct=True)
+    await nc.close()
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
+                             jetstream=True)
+    workload = HybridWorkload(seed=3)
+    try:
+        async with running_bridge(settings) as bridge:
+            for size in (2, 2, 512, 2, 2):
+                pub.publish(workload.batch(size))
+            await wait_published(bridge, 5)
+            with anyio.fail_after(20):
+                while metric(bridge, "kvbridge_gaps_total", reason="refused") < 1:
+                    await anyio.sleep(0.05)
+            refused = metric(bridge, "kvbridge_js_refused_total")
+    finally:
+        pub.close()
+    assert refused >= 1
+    contents = await stream_contents(nats_server.url)
+    stored = {b.seq for _, b in contents if isinstance(b, GroupMessage)}
+    assert {0, 1, 3, 4} <= stored
+    gaps = [(r.gap_from, r.gap_to, r.reason) for _, r in contents if isinstance(r, WorkerRecord) and r.type == "gap"]
+    assert gaps == [(2, 2, "refused")]  # one record for the batch, however many of its slices were refused
+
+
+async def test_a_stream_deleted_under_a_running_bridge_is_made_again(nats_server: NatsServerProcess) -> None:
+    """Someone deletes the stream while the bridge runs: publishes find no
+    stream (503). The bridge makes the stream again and stores what follows,
+    instead of stopping or retrying forever."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
+                             jetstream=True)
+    workload = HybridWorkload(seed=4)
+    try:
+        async with running_bridge(settings) as bridge:
+            for _ in range(3):
+                pub.publish(workload.batch(4))
+            await wait_published(bridge, 3)
+            nc = await nats.connect(nats_server.url)
+            await nc.jetstream().delete_stream("KV_EVENTS")
+            await nc.close()
+            for _ in range(3):
+                pub.publish(workload.batch(4))
+            await wait_published(bridge, 6)
+            with anyio.fail_after(20):
+                while True:
+                    try:
+                        stored = {b.seq for _, b in await stream_contents(nats_server.url)
+                                  if isinstance(b, GroupMessage)}
+                    except nats.js.errors.APIError:  # no stream yet, or one still empty
+                        stored = set()
+                    if {3, 4, 5} <= stored:
+                        break
+                    await anyio.sleep(0.1)
+    finally:
+        pub.close()

@@ -181,6 +181,11 @@ class Metrics:
         self.publish_errors = Counter(
             "kvbridge_publish_errors_total", "NATS publish attempts that failed (retried).", registry=r
         )
+        self.js_refused = Counter(
+            "kvbridge_js_refused_total",
+            "JetStream messages given up after the stream refused them repeatedly (their batch is named by a gap).",
+            registry=r,
+        )
         # Bound up front, so every reason shows (as 0) before it first happens;
         # other values are bound on first use.
         self.malformed_by = Children(self.malformed, MALFORMED_REASONS)

@@ -15,6 +15,11 @@ from collections.abc import Callable
 import anyio
 
 from bridge.sink.encode import Outgoing
+from bridge.sink.queue import OutBatch
+
+# A message and the batch it came from (None: not tied to one), which a
+# publisher that gives up on the message names in a gap record.
+Sent = tuple[Outgoing, OutBatch | None]
 
 # A PubAck is `{"stream":...,"seq":...}` (maybe `"duplicate":true`); a refusal
 # is `{"error":{...}}`. Nothing else has to be read to tell them apart.
@@ -58,10 +63,11 @@ def take_acks(data: bytes, prefix: bytes, on_ack: Callable[[bytes, bytes, bytes 
 
 
 class _Pending:
-    __slots__ = ("generation", "msg", "sent")
+    __slots__ = ("generation", "msg", "origin", "sent")
 
-    def __init__(self, msg: Outgoing, generation: int, sent: float) -> None:
+    def __init__(self, msg: Outgoing, origin: OutBatch | None, generation: int, sent: float) -> None:
         self.msg = msg
+        self.origin = origin
         self.generation = generation
         self.sent = sent
 
@@ -77,7 +83,8 @@ class AckWindow:
         # Insertion order is send order: the first entry is the oldest.
         self._pending: dict[int, _Pending] = {}
         self._next = 0
-        self.failed: deque[tuple[Outgoing, str]] = deque()
+        # Refused by the server: (message, its batch, why), oldest first.
+        self.failed: deque[tuple[Outgoing, OutBatch | None, str]] = deque()
         self._low_water = 0
         self._low_bytes = 0
         self._room: anyio.Event | None = None
@@ -87,11 +94,11 @@ class AckWindow:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def reply_to(self, msg: Outgoing, generation: int, now: float) -> str:
-        """Registers `msg` as sent; the reply subject its ack will come back on."""
+    def reply_to(self, msg: Outgoing, generation: int, now: float, origin: OutBatch | None = None) -> str:
+        """Registers `msg` (of batch `origin`) as sent; the reply subject its ack will come back on."""
         token = self._next
         self._next = token + 1
-        self._pending[token] = _Pending(msg, generation, now)
+        self._pending[token] = _Pending(msg, origin, generation, now)
         self.bytes += msg.nbytes
         return f"{self.inbox}.{token}"
 
@@ -117,16 +124,16 @@ class AckWindow:
         self._settle(msg)
         error = ack_error(data, headers)
         if error is not None:
-            self.failed.append((msg, error))
+            self.failed.append((msg, entry.origin, error))
         if self._room is not None and (
             (len(self._pending) <= self._low_water and self.bytes <= self._low_bytes) or self.failed
         ):
             self._room.set()
 
-    def overdue(self, now: float, timeout: float, generation: int) -> list[Outgoing]:
+    def overdue(self, now: float, timeout: float, generation: int) -> list[Sent]:
         """Takes out, oldest first, what will not be acked: sent on an earlier
         connection, or waiting longer than `timeout`."""
-        out: list[Outgoing] = []
+        out: list[Sent] = []
         pending = self._pending
         while pending:
             token = next(iter(pending))
@@ -135,7 +142,7 @@ class AckWindow:
                 break
             del pending[token]
             self._settle(entry.msg)
-            out.append(entry.msg)
+            out.append((entry.msg, entry.origin))
         return out
 
     def first_generation(self) -> int:

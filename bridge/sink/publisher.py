@@ -4,14 +4,17 @@ Both modes write the queued batches as one buffer of HPUB frames into nats-py's
 connection (straight onto its socket when nothing of nats-py's is waiting,
 else through its pending buffer and flusher): no round trip, future or header
 encoding per message. JetStream frames carry a reply subject; the acks come back to an
-AckWindow of at most --js-max-pending messages, and one that is refused, lost
-with a connection, or late is published again with the same Nats-Msg-Id, which
-the stream de-duplicates.
+AckWindow of at most --js-max-pending messages, and one that is lost with a
+connection or late is published again with the same Nats-Msg-Id, which the
+stream de-duplicates. One the stream refuses is tried again a few times, then
+given up: counted, logged, and its batch named by a `gap` record, so that one
+message the stream will never take cannot hold up every later one.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -27,9 +30,10 @@ from nats.aio.transport import TcpTransport
 from bridge.config import Settings
 from bridge.observe.health import Health
 from bridge.observe.metrics import Metrics
-from bridge.sink.acks import AckWindow
+from bridge.sink.acks import AckWindow, Sent
 from bridge.sink.connection import BridgeClient, connect_options
 from bridge.sink.encode import Outgoing, hpub_frames
+from bridge.sink.jetstream import ensure_stream
 from bridge.sink.queue import BatchQueue, OutBatch
 
 log = structlog.get_logger("bridge.nats")
@@ -44,6 +48,11 @@ _WRITE_BATCHES = 512
 # buffer and its flusher, which waits for the socket to drain.
 _WRITE_THROUGH_BACKLOG = 1024 * 1024
 
+# Answers from the stream that it will not store a message, counted per
+# message; at this many the message is given up (four tries after the first
+# refusal, 0.1 to 0.8 s apart: 1.5 s in all).
+_MAX_REFUSALS = 5
+
 _RETRYABLE = (
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
@@ -51,6 +60,7 @@ _RETRYABLE = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
     nats.js.errors.APIError,
+    nats.js.errors.NoStreamResponseError,
     nats.js.errors.TooManyStalledMsgsError,
     TimeoutError,
     OSError,
@@ -72,6 +82,10 @@ def _write_through(nc: NatsClient, data: bytes) -> bool:
     return True
 
 
+def _no_refusal_handler(batch: OutBatch) -> None:
+    return None
+
+
 class NatsSink:
     def __init__(self, settings: Settings, queue: BatchQueue, metrics: Metrics, health: Health) -> None:
         self._settings = settings
@@ -88,6 +102,9 @@ class NatsSink:
         self._last_seq: dict[int, Any] = {}
         self._closing = False
         metrics.js_in_flight = self.in_flight
+        # Set by the service: names a batch whose message the stream refused for good.
+        self.on_refused: Callable[[OutBatch], None] = _no_refusal_handler
+        self._last_refused: OutBatch | None = None
 
     def in_flight(self) -> tuple[int, int]:
         """JetStream publishes not yet acked: (messages, encoded bytes)."""
@@ -163,10 +180,16 @@ class NatsSink:
         acks = self._acks
         js = self._settings.jetstream
         while True:
-            if js and len(acks):
-                # Acks outstanding: a quiet queue must not leave a lost or late
-                # one unnoticed (it is published again once overdue).
-                await self._resend_overdue()
+            if js and (len(acks) or acks.failed):
+                # Acks outstanding or refusals: a quiet queue must not leave a
+                # lost, late or refused one unnoticed.
+                try:
+                    await self._resend_overdue()
+                except _RETRYABLE as exc:
+                    metrics.publish_errors.inc()
+                    log.warning("publish_retry", error=type(exc).__name__, detail=str(exc)[:200])
+                    await anyio.sleep(0.1)
+                    continue
                 with anyio.move_on_after(0.05):
                     await queue.wait()
             else:
@@ -227,7 +250,10 @@ class NatsSink:
             count += len(batch.messages)
             size += batch.nbytes
         try:
-            await self._write(nc, [m for b in batches for m in b.messages])
+            if self._settings.jetstream:
+                await self._write(nc, [(m, b) for b in batches for m in b.messages])
+            else:
+                await self._write(nc, [(m, None) for b in batches for m in b.messages])
         except BaseException:
             # Not handed over (outbound buffer full, connection closing): back
             # to the head of the queue, in order, for the retry.
@@ -235,14 +261,15 @@ class NatsSink:
             raise
         self._account(batches)
 
-    async def _write(self, nc: NatsClient, messages: list[Outgoing]) -> None:
-        """`messages` as one buffer of HPUB frames on the connection; in
+    async def _write(self, nc: NatsClient, sent: list[Sent]) -> None:
+        """The messages as one buffer of HPUB frames on the connection; in
         JetStream mode each registered in the ack window with its reply subject."""
+        messages = [m for m, _ in sent]
         if self._settings.jetstream:
             acks = self._acks
             generation = self._generation
             now = time.monotonic()
-            replies = [acks.reply_to(m, generation, now) for m in messages]
+            replies = [acks.reply_to(m, generation, now, b) for m, b in sent]
             data = hpub_frames(messages, replies)
         else:
             replies = []
@@ -262,17 +289,18 @@ class NatsSink:
         """What will not be acked goes again before anything new (the stream
         keeps the bridge's order): messages sent on a connection since lost, or
         unacked past --js-ack-timeout, in one write, back into the window;
-        refused ones one by one, each awaiting its ack, with back-off."""
+        refused ones one by one, each awaiting its ack, with back-off, until
+        given up."""
         acks = self._acks
         if not acks.failed and acks.oldest_age(time.monotonic()) < self._settings.js_ack_timeout and (
             not len(acks) or acks.first_generation() == self._generation
         ):
             return
         while acks.failed:
-            msg, error = acks.failed.popleft()
+            msg, origin, error = acks.failed.popleft()
             self._metrics.publish_errors.inc()
             log.warning("js_ack_failed", subject=msg.subject, error=error[:200])
-            await self._republish(msg)
+            await self._republish(msg, origin, error)
         nc = self.nc
         if nc is None or not nc.is_connected:
             return  # after the reconnect they are owed by an earlier generation and go then
@@ -280,29 +308,63 @@ class NatsSink:
         if not late:
             return
         self._metrics.publish_errors.inc(len(late))
-        log.warning("js_ack_missing", messages=len(late), first=late[0].subject, reason="timeout or reconnect")
+        log.warning("js_ack_missing", messages=len(late), first=late[0][0].subject, reason="timeout or reconnect")
         try:
             await self._write(nc, late)
         except BaseException:
-            # Not handed over: the slow path, one by one, retries them.
-            acks.failed.extend((msg, "not sent again") for msg in late)
+            # Not handed over: the slow path, one by one, retries them; not
+            # being sent is no refusal, so it does not count towards giving up.
+            acks.failed.extend((msg, origin, "") for msg, origin in late)
             raise
 
-    async def _republish(self, msg: Outgoing) -> None:
+    async def _republish(self, msg: Outgoing, origin: OutBatch | None, error: str) -> None:
+        """`msg` again, awaiting its ack, until stored or refused
+        `_MAX_REFUSALS` times; connection trouble is waited out, not counted.
+        `error`: why the server refused it already ("" if it was only not sent)."""
         js = self.js
         assert js is not None
+        refusals = 1 if error else 0
         delay = 0.1
-        while True:
+        failed = bool(error)
+        while refusals < _MAX_REFUSALS:
+            if failed:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 2.0)
             if self.nc is None or not self.nc.is_connected:
                 await self._connected.wait()
             try:
                 await js.publish(msg.subject, msg.payload, timeout=self._settings.js_ack_timeout, headers=msg.headers)
                 return
+            except nats.js.errors.NoStreamResponseError:
+                # No stream takes the subject (deleted by hand?): make it again.
+                refusals += 1
+                error = "no stream takes the subject"
+                await self._restore_stream()
+            except nats.js.errors.APIError as exc:
+                refusals += 1
+                error = str(exc)
             except _RETRYABLE as exc:
-                self._metrics.publish_errors.inc()
                 log.warning("js_publish_retry", subject=msg.subject, error=type(exc).__name__)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+            failed = True
+            self._metrics.publish_errors.inc()
+            log.warning("js_publish_refused_again", subject=msg.subject, refusals=refusals, error=error[:200])
+        self._give_up(msg, origin, error)
+
+    async def _restore_stream(self) -> None:
+        assert self.js is not None
+        try:
+            await ensure_stream(self.js, self._settings)
+        except _RETRYABLE as exc:
+            log.warning("stream_restore_failed", stream=self._settings.stream_name, error=type(exc).__name__)
+
+    def _give_up(self, msg: Outgoing, origin: OutBatch | None, error: str) -> None:
+        self._metrics.js_refused.inc()
+        log.error("js_publish_refused", subject=msg.subject, attempts=_MAX_REFUSALS, error=error[:200],
+                  seq=None if origin is None or origin.seq < 0 else origin.seq)
+        # One gap per batch, however many of its group messages were refused.
+        if origin is not None and origin.seq >= 0 and origin is not self._last_refused:
+            self._last_refused = origin
+            self.on_refused(origin)
 
     def _account(self, batches: list[OutBatch]) -> None:
         metrics = self._metrics
