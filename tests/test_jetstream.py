@@ -15,6 +15,7 @@ import nats
 import nats.js.api
 import pytest
 
+from bridge.config import Settings
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.embedded.publisher import WirePublisher
@@ -224,6 +225,13 @@ async def test_resume_recognises_a_vllm_restart_while_the_bridge_was_down(nats_s
     assert len(restarts) == 1 and restarts[0].epoch == epochs[1]
 
 
+def _publisher_and_settings(nats_url: str) -> tuple[WirePublisher, Settings]:
+    """A vLLM-wire publisher and JetStream-mode settings for a bridge reading it."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    return pub, make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_url], jetstream=True)
+
+
 async def test_a_message_the_stream_refuses_for_good_is_given_up_and_named_by_a_gap(
     nats_server: NatsServerProcess,
 ) -> None:
@@ -234,10 +242,7 @@ async def test_a_message_the_stream_refuses_for_good_is_given_up_and_named_by_a_
     nc = await nats.connect(nats_server.url)
     await nc.jetstream().add_stream(name="KV_EVENTS", subjects=["kv.>"], max_msg_size=8192, allow_direct=True)
     await nc.close()
-    pub_ep, replay_ep = endpoints()
-    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
-    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
-                             jetstream=True)
+    pub, settings = _publisher_and_settings(nats_server.url)
     workload = HybridWorkload(seed=3)
     try:
         async with running_bridge(settings) as bridge:
@@ -262,10 +267,7 @@ async def test_a_stream_deleted_under_a_running_bridge_is_made_again(nats_server
     """Someone deletes the stream while the bridge runs: publishes find no
     stream (503). The bridge makes the stream again and stores what follows,
     instead of stopping or retrying forever."""
-    pub_ep, replay_ep = endpoints()
-    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
-    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
-                             jetstream=True)
+    pub, settings = _publisher_and_settings(nats_server.url)
     workload = HybridWorkload(seed=4)
     try:
         async with running_bridge(settings) as bridge:
