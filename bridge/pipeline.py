@@ -138,18 +138,15 @@ class StreamPipeline:
     def refused(self, batch: OutBatch) -> None:
         """The stream refused part of `batch` for good: a gap names it. The
         record may follow later batches; its epoch is the batch's."""
-        self._metrics.gaps.labels("refused").inc()
-        self._metrics.gap_batches.inc()
-        self._log.warning("gap", first=batch.seq, last=batch.seq, reason="refused")
-        self._queue.put(self.record("gap", gap=(batch.seq, batch.seq), reason="refused", epoch=batch.epoch))
+        self._announce_gap(batch.seq, batch.seq, "refused", epoch=batch.epoch)
 
-    def _announce_gap(self, first: int, last: int, reason: str) -> None:
+    def _announce_gap(self, first: int, last: int, reason: str, epoch: int | None = None) -> None:
         if last < first:
             return
         self._metrics.gaps.labels(reason).inc()
         self._metrics.gap_batches.inc(last - first + 1)
         self._log.warning("gap", first=first, last=last, reason=reason)
-        self._queue.put(self.record("gap", gap=(first, last), reason=reason))
+        self._queue.put(self.record("gap", gap=(first, last), reason=reason, epoch=epoch))
 
     def stop_record(self) -> OutBatch:
         return self.record("stop", seq=self.tracker.last_emitted, batch_ts=self._last_ts)

@@ -250,10 +250,7 @@ class NatsSink:
             count += len(batch.messages)
             size += batch.nbytes
         try:
-            if self._settings.jetstream:
-                await self._write(nc, [(m, b) for b in batches for m in b.messages])
-            else:
-                await self._write(nc, [(m, None) for b in batches for m in b.messages])
+            await self._write(nc, [(m, b) for b in batches for m in b.messages])
         except BaseException:
             # Not handed over (outbound buffer full, connection closing): back
             # to the head of the queue, in order, for the retry.
@@ -338,16 +335,16 @@ class NatsSink:
             except nats.js.errors.NoStreamResponseError:
                 # No stream takes the subject (deleted by hand?): make it again.
                 refusals += 1
-                error = "no stream takes the subject"
+                error = why = "no stream takes the subject"
                 await self._restore_stream()
             except nats.js.errors.APIError as exc:
                 refusals += 1
-                error = str(exc)
+                error = why = str(exc)
             except _RETRYABLE as exc:
-                log.warning("js_publish_retry", subject=msg.subject, error=type(exc).__name__)
+                why = type(exc).__name__
             failed = True
             self._metrics.publish_errors.inc()
-            log.warning("js_publish_refused_again", subject=msg.subject, refusals=refusals, error=error[:200])
+            log.warning("js_publish_retry", subject=msg.subject, refusals=refusals, error=why[:200])
         self._give_up(msg, origin, error)
 
     async def _restore_stream(self) -> None:
