@@ -86,6 +86,19 @@ class WorkerRecord(msgspec.Struct, gc=False, omit_defaults=True):
     batch_ts: float | None = None
 
 
+# vLLM's GPU tier lists only blocks that hold state, so every hash of a state
+# store there is a checkpoint; offload tiers keep one state per chunk. Events
+# with no medium come from releases before media existed: GPU.
+GPU_MEDIUM: Final = "GPU"
+
+
+def state_checkpoints(medium: str | None, hashes: list[BlockHash]) -> list[BlockHash]:
+    """The hashes of a state (recurrent) store at which it holds a checkpoint."""
+    if medium is None or medium == GPU_MEDIUM or len(hashes) < 2:
+        return hashes
+    return hashes[-1:]
+
+
 def hash_hex(value: BlockHash, width: int = 8) -> str:
     """A short printable form of a block hash, bytes or int, for humans."""
     if isinstance(value, bytes):

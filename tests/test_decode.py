@@ -98,3 +98,66 @@ def test_relay_leaves_token_elements_to_the_publisher_json_checks_them() -> None
     assert len(BatchDecoder(relay=True).decode(payload).events) == 1
     typed = BatchDecoder(relay=False).decode(payload)
     assert typed.events == [] and [reason for reason, _ in typed.rejected] == ["bad_event"]
+
+
+def test_array_events_of_the_oldest_releases_decode_into_the_same_structs() -> None:
+    """vLLM 0.9.0: `[ts, events]`, events `[tag, field, ...]`, Python hash()
+    ints that may be negative, no medium, no group."""
+    tokens = [1, 2, 3, 4]
+    payload = enc([4.0, [["BlockStored", [-5, 9], None, tokens, 2, None], ["BlockRemoved", [-5]], ["AllBlocksCleared"]]])
+    for relay in (False, True):
+        batch = BatchDecoder(relay=relay).decode(payload)
+        assert batch.rejected == [] and batch.dp_rank is None and batch.ts == 4.0
+        store, removal, clear = batch.events
+        assert isinstance(store, BlockStored) and store.block_hashes == [-5, 9] and store.block_size == 2
+        got = msgspec.msgpack.decode(store.token_ids) if relay else store.token_ids  # type: ignore[arg-type]
+        assert got == tokens
+        assert store.medium is None and store.group_idx is None and store.kv_cache_spec_kind is None
+        assert type(removal) is BlockRemoved and removal.block_hashes == [-5] and removal.medium is None
+        assert type(clear) is AllBlocksCleared
+
+
+def test_array_events_carry_every_field_their_release_appended() -> None:
+    """vLLM 0.22/0.23: every positional field, plus a later one this bridge
+    does not know (ignored), and uint64 hashes at and above 2**63."""
+    big = [2**63, 2**64 - 1]
+    store = ["BlockStored", big, 7, [9] * 32, 16, 3, "CPU", "adapter", [None, ["k", 1]], 2, "mamba", None, "future"]
+    removal = ["BlockRemoved", big[:1], "CPU", 2, "future"]
+    batch = BatchDecoder().decode(enc([5.0, [store, removal], 1]))
+    assert batch.rejected == [] and batch.dp_rank == 1
+    s, r = batch.events
+    assert isinstance(s, BlockStored) and isinstance(r, BlockRemoved)
+    assert (s.block_hashes, s.parent_block_hash, s.block_size, s.lora_id, s.medium, s.lora_name) == (
+        big, 7, 16, 3, "CPU", "adapter")
+    assert (s.extra_keys, s.group_idx, s.kv_cache_spec_kind) == ([None, ["k", 1]], 2, "mamba")
+    assert (r.block_hashes, r.medium, r.group_idx) == ([2**63], "CPU", 2)
+
+
+def test_a_publisher_switching_encodings_keeps_decoding() -> None:
+    """The decoder tries the form it saw last first; either form still decodes
+    when the other comes (a vLLM upgraded behind the same endpoint)."""
+    decoder = BatchDecoder(relay=True)
+    as_map = encode_batch(1.0, [stored([b"\x01" * 32], None, [1], 16, group_idx=0, kind="full_attention")])
+    as_array = enc([2.0, [["BlockStored", [b"\x01" * 32], None, [1], 16, None, "GPU"]]])
+    for payload in (as_map, as_array, as_array, as_map, as_array):
+        batch = decoder.decode(payload)
+        assert batch.rejected == [] and [e.block_hashes for e in batch.events] == [[b"\x01" * 32]]
+
+
+def test_one_bad_array_event_costs_only_itself() -> None:
+    good = ["BlockStored", [1], None, [1, 2], 2, None, "GPU"]
+    batch = BatchDecoder().decode(enc([1.0, [good, ["BlockStored", "no list"], ["BlockPromoted", [1]], good]]))
+    assert len(batch.events) == 2
+    assert sorted(r for r, _ in batch.rejected) == ["bad_event", "unknown_event_type"]
+
+
+def test_relayed_events_keep_every_field_vllm_requires() -> None:
+    """A map store that lacks fields vLLM always sends is decoded with vLLM's
+    defaults and relayed with all of them, so vLLM's own structs read it."""
+    lean = {"type": "BlockStored", "block_hashes": [5], "block_size": 16}
+    for relay in (False, True):
+        event = BatchDecoder(relay=relay).decode(enc([1.0, [lean, {"type": "BlockRemoved", "block_hashes": [5]}]])).events
+        fields = [msgspec.msgpack.decode(msgspec.msgpack.encode(e)) for e in event]
+        assert fields[0] == {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": [],
+                             "block_size": 16, "lora_id": None, "medium": None, "lora_name": None}
+        assert fields[1] == {"type": "BlockRemoved", "block_hashes": [5], "medium": None}

@@ -40,11 +40,11 @@ from typing import NamedTuple
 from bridge.client.prefix import PrefixMatch, match_view, match_views
 from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
 from bridge.client.subscribe import BusMessage, Interruption
-from bridge.contract import GroupMessage, WorkerRecord
+from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
 from bridge.decode.wire import BlockHash, BlockStored
 from bridge.normalize.kinds import OTHER, STATE, WINDOW, family_of
 
-DEFAULT_MEDIUM = "GPU"  # vLLM before media existed reported only its GPU block pool
+DEFAULT_MEDIUM = GPU_MEDIUM  # vLLM before media existed reported only its GPU block pool
 MAX_LOST_RANGES = 16
 
 
@@ -197,10 +197,9 @@ class ResidencyIndex:
                 if event.kv_cache_spec_sliding_window:
                     g.window = event.kv_cache_spec_sliding_window
                 hashes = event.block_hashes
-                if family == STATE and len(hashes) > 1:
-                    # A checkpoint is valid at one hash only (the contract reduces
-                    # these already; an older bridge may not have).
-                    hashes = hashes[-1:]
+                if family == STATE:
+                    # The contract's rule; an older bridge may not have applied it.
+                    hashes = state_checkpoints(event.medium, hashes)
                 placeholder = family == WINDOW and (event.placeholder or event.block_size == 0)
                 g.store(medium, hashes, placeholder)
             else:

@@ -7,10 +7,28 @@ from typing import Any
 
 import msgspec
 
-from bridge.decode.wire import Event, KVEventBatch, RawEventBatch, RelayBlockStored, RelayEvent, RelayEventBatch
+from bridge.decode.wire import (
+    ArrayEventBatch,
+    ArrayRelayEventBatch,
+    ArrayEvent,
+    ArrayRelayEvent,
+    Event,
+    KVEventBatch,
+    LenientEvent,
+    LenientRelayEvent,
+    RawEventBatch,
+    RelayBlockStored,
+    RelayEvent,
+    RelayEventBatch,
+    from_other_form,
+)
 
 # First bytes of a msgpack array: fixarray, array 16, array 32.
 _ARRAY_HEADS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
+# First bytes of a msgpack map: fixmap, map 16, map 32.
+_MAP_HEADS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
+_EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+_DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
 
 
 class DecodedBatch(msgspec.Struct, gc=False):
@@ -32,8 +50,11 @@ class BatchDecodeError(Exception):
 
 
 class BatchDecoder:
-    """Fast path decodes the whole batch in one call; a batch that fails it is
-    decoded again event by event so one odd event never costs its neighbours.
+    """Fast path decodes the whole batch in one call, as maps (vLLM 0.24.0 and
+    later) or as arrays (0.9.0 through 0.23.0); it tries first the form this
+    publisher sent last, since a process never changes it. A batch that fails
+    both is decoded again event by event so one odd event never costs its
+    neighbours. One decoder serves one publisher.
 
     `relay=True` (the msgpack output): stores come out as RelayBlockStored,
     token ids left as the publisher's bytes, checked to be an array. JSON
@@ -41,30 +62,60 @@ class BatchDecoder:
 
     def __init__(self, relay: bool = False) -> None:
         self._relay = relay
-        batch_type: type[KVEventBatch] | type[RelayEventBatch] = RelayEventBatch if relay else KVEventBatch
-        self._batch: msgspec.msgpack.Decoder[KVEventBatch | RelayEventBatch] = msgspec.msgpack.Decoder(batch_type)
+        maps: type[KVEventBatch] | type[RelayEventBatch] = RelayEventBatch if relay else KVEventBatch
+        arrays: type[ArrayEventBatch] | type[ArrayRelayEventBatch] = ArrayRelayEventBatch if relay else ArrayEventBatch
+        self._maps = msgspec.msgpack.Decoder(maps)
+        self._arrays = msgspec.msgpack.Decoder(arrays)
+        self._arrays_first = False
         self._raw_batch = msgspec.msgpack.Decoder(RawEventBatch)
-        self._event = msgspec.msgpack.Decoder(RelayEvent if relay else Event)  # type: ignore[arg-type]
+        self._map_event = msgspec.msgpack.Decoder(RelayEvent if relay else Event)  # type: ignore[arg-type]
+        self._lenient_event = msgspec.msgpack.Decoder(LenientRelayEvent if relay else LenientEvent)  # type: ignore[arg-type]
+        self._array_event = msgspec.msgpack.Decoder(ArrayRelayEvent if relay else ArrayEvent)  # type: ignore[arg-type]
         self._any = msgspec.msgpack.Decoder()
 
     def decode(self, payload: bytes) -> DecodedBatch:
-        try:
-            batch = self._batch.decode(payload)
-        except (msgspec.DecodeError, RecursionError):
-            # RecursionError: msgspec's answer to absurd nesting; hostile, not fatal.
+        if self._arrays_first:
+            batch = self._as_arrays(payload)
+            if batch is None:
+                batch = self._as_maps(payload)
+                if batch is not None:
+                    self._arrays_first = False
+        else:
+            batch = self._as_maps(payload)
+            if batch is None:
+                batch = self._as_arrays(payload)
+                if batch is not None:
+                    self._arrays_first = True
+        if batch is None:
             return self._decode_slowly(payload)
         if not math.isfinite(batch.ts):
             # JSON has no NaN or infinity: consumers could not read the batch back.
             raise BatchDecodeError("bad_batch", f"non-finite ts {batch.ts!r}")
-        events: list[Event] = batch.events  # type: ignore[assignment]
-        if self._relay and not _token_arrays(events):
+        if self._relay and not _token_arrays(batch.events):
             return self._decode_slowly(payload)
+        return batch
+
+    def _as_maps(self, payload: bytes) -> DecodedBatch | None:
+        try:
+            batch = self._maps.decode(payload)
+        except _DECODE_ERRORS:
+            # RecursionError: msgspec's answer to absurd nesting; hostile, not fatal.
+            return None
+        return DecodedBatch(batch.ts, batch.events, batch.data_parallel_rank, [])  # type: ignore[arg-type]
+
+    def _as_arrays(self, payload: bytes) -> DecodedBatch | None:
+        try:
+            batch = self._arrays.decode(payload)
+        except _DECODE_ERRORS:
+            return None
+        relay = self._relay
+        events = [from_other_form(event, relay) for event in batch.events]
         return DecodedBatch(batch.ts, events, batch.data_parallel_rank, [])
 
     def _decode_slowly(self, payload: bytes) -> DecodedBatch:
         try:
             raw = self._raw_batch.decode(payload)
-        except (msgspec.DecodeError, RecursionError) as exc:
+        except _DECODE_ERRORS as exc:
             raise BatchDecodeError("bad_batch", str(exc)[:200]) from None
         if not math.isfinite(raw.ts):
             raise BatchDecodeError("bad_batch", f"non-finite ts {raw.ts!r}")
@@ -72,8 +123,8 @@ class BatchDecoder:
         rejected: list[tuple[str, str]] = []
         for item in raw.events:
             try:
-                event = self._event.decode(item)
-            except (msgspec.DecodeError, RecursionError) as exc:
+                event = self._decode_event(item)
+            except _DECODE_ERRORS as exc:
                 rejected.append(self._classify(item, exc))
                 continue
             if self._relay and not _token_arrays([event]):
@@ -82,15 +133,30 @@ class BatchDecoder:
             events.append(event)
         return DecodedBatch(raw.ts, events, raw.data_parallel_rank, rejected)
 
+    def _decode_event(self, item: msgspec.Raw) -> Event:
+        """One event in whichever form it came; raises what msgspec raises."""
+        head = memoryview(item)[0] if len(item) else -1
+        if head in _ARRAY_HEADS:
+            return from_other_form(self._array_event.decode(item), self._relay)
+        try:
+            return self._map_event.decode(item)  # type: ignore[no-any-return]
+        except _DECODE_ERRORS:
+            if head not in _MAP_HEADS:
+                raise
+        return from_other_form(self._lenient_event.decode(item), self._relay)
+
     def _classify(self, item: msgspec.Raw, exc: Exception) -> tuple[str, str]:
         try:
             value: Any = self._any.decode(item)
-        except (msgspec.DecodeError, RecursionError):
+        except _DECODE_ERRORS:
             return ("bad_event", str(exc)[:200])
+        kind = None
         if isinstance(value, dict):
             kind = value.get("type")
-            if isinstance(kind, str) and kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-                return ("unknown_event_type", kind[:64])
+        elif isinstance(value, list) and value:
+            kind = value[0]
+        if isinstance(kind, str) and kind not in _EVENT_TYPES:
+            return ("unknown_event_type", kind[:64])
         return ("bad_event", str(exc)[:200])
 
 

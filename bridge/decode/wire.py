@@ -1,8 +1,14 @@
-"""msgspec mirrors of vLLM 0.33.0's KV event wire structs.
+"""msgspec mirrors of vLLM's KV event wire structs, for every release that publishes them.
 
-They are written from the wire facts (DESIGN.md §1), not imported from vLLM, so the
-bridge runs without vLLM installed. Decoding ignores unknown map keys and extra
-array elements, so newer vLLM releases keep decoding.
+They are written from the wire facts (docs/compatibility.md), not imported from vLLM,
+so the bridge runs without vLLM installed. Decoding ignores unknown map keys and
+extra array elements, so newer vLLM releases keep decoding.
+
+Two encodings reach the bridge: tagged maps (vLLM 0.24.0 and later), and msgpack
+arrays `[tag, field, ...]` (0.9.0 through 0.23.0), whose fields were only ever
+appended, so one positional order covers every array release. Both decode into
+the same map structs, which are what the bridge relays: vLLM's own schema, with
+its required fields required, so vLLM's structs decode every relayed event.
 """
 
 from __future__ import annotations
@@ -11,8 +17,8 @@ from typing import Any, Union
 
 import msgspec
 
-# vLLM sends raw bytes hashes by default and 64-bit ints with
-# VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1; both travel on.
+# 64-bit ints (vLLM's default; Python hash() ints, possibly negative, before
+# 0.10.2) or raw 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0); both travel on.
 BlockHash = Union[bytes, int]
 
 
@@ -21,13 +27,15 @@ class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockStored(_Event):
+    # The fields up to lora_name have no default, as in vLLM: omit_defaults
+    # then always encodes them, and vLLM's own BlockStored requires them.
     block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -47,12 +55,12 @@ class RelayBlockStored(BlockStored, tag="BlockStored"):
     re-encoding every token as a Python int was a third of its work per event.
     The decoder checks that they are an array; consumers decode BlockStored."""
 
-    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # type: ignore[assignment]
+    token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
 class BlockRemoved(_Event):
     block_hashes: list[BlockHash]
-    medium: str | None = None
+    medium: str | None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
@@ -63,15 +71,13 @@ class AllBlocksCleared(_Event):
 
 
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+RelayEvent = Union[RelayBlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Event]
     data_parallel_rank: int | None = None
-
-
-RelayEvent = Union[RelayBlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class RelayEventBatch(msgspec.Struct, array_like=True, gc=False):
@@ -82,12 +88,12 @@ class RelayEventBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+EMPTY_RAW_ARRAY = msgspec.Raw(b"\x90")
+
+
 def empty_tokens(stored: type[BlockStored]) -> list[int] | msgspec.Raw:
     """No token ids, in the form `stored` keeps them."""
     return EMPTY_RAW_ARRAY if stored is RelayBlockStored else []
-
-
-EMPTY_RAW_ARRAY = msgspec.Raw(b"\x90")
 
 
 class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
@@ -96,3 +102,130 @@ class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
+
+
+# -- lenient maps: an event that lacks a field vLLM always sends ---------------
+
+
+class LenientBlockStored(_Event, tag="BlockStored"):
+    """A map store missing fields every vLLM release sends (a third-party or
+    hand-made publisher): decoded with vLLM's defaults, then made a BlockStored."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class LenientRelayBlockStored(LenientBlockStored, tag="BlockStored"):
+    token_ids: msgspec.Raw = EMPTY_RAW_ARRAY  # type: ignore[assignment]
+
+
+class LenientBlockRemoved(_Event, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+LenientEvent = Union[LenientBlockStored, LenientBlockRemoved, AllBlocksCleared]
+LenientRelayEvent = Union[LenientRelayBlockStored, LenientBlockRemoved, AllBlocksCleared]
+
+
+# -- array events: vLLM 0.9.0 through 0.23.0 ------------------------------------
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    """`[tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+    medium (0.10.2), lora_name (0.14.0), extra_keys (0.17.0), group_idx (0.20.0),
+    kv_cache_spec_kind, kv_cache_spec_sliding_window (0.22.0)]`, trailing
+    defaults left off by the publisher."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class ArrayRelayBlockStored(ArrayBlockStored, tag="BlockStored"):
+    token_ids: msgspec.Raw = EMPTY_RAW_ARRAY  # type: ignore[assignment]
+
+
+class ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    """`[tag, block_hashes, medium (0.10.2), group_idx (0.20.0)]`."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+ArrayEvent = Union[ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]
+ArrayRelayEvent = Union[ArrayRelayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]
+
+
+class ArrayEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+class ArrayRelayEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ArrayRelayEvent]
+    data_parallel_rank: int | None = None
+
+
+# One instance serves every clear: it has no fields, and nothing changes it.
+CLEARED = AllBlocksCleared()
+
+
+def from_other_form(event: Any, relay: bool) -> Event:
+    """An array or lenient event as the map struct the bridge relays. Fields
+    a release did not have take vLLM's defaults."""
+    cls = type(event)
+    if cls is ArrayAllBlocksCleared or cls is AllBlocksCleared:
+        return CLEARED
+    if cls is ArrayBlockRemoved:
+        return BlockRemoved(event.block_hashes, event.medium, event.group_idx)
+    if cls is LenientBlockRemoved:
+        return BlockRemoved(event.block_hashes, event.medium, event.group_idx, event.locality, event.ownership)
+    stored = RelayBlockStored if relay else BlockStored
+    if cls is ArrayBlockStored or cls is ArrayRelayBlockStored:
+        return stored(
+            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,
+            event.medium, event.lora_name, event.extra_keys, event.group_idx, event.kv_cache_spec_kind,
+            event.kv_cache_spec_sliding_window,
+        )
+    return stored(
+        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,
+        event.medium, event.lora_name, event.extra_keys, event.group_idx, event.kv_cache_spec_kind,
+        event.kv_cache_spec_sliding_window, event.locality, event.ownership, event.session_id,
+        event.lookahead_token_ids,
+    )

@@ -34,7 +34,8 @@ def hi(i: int) -> int:
 def stored(hashes: Sequence[BlockHash], *, group: int = ATTN, medium: str = "GPU", block_size: int = BLOCK,
            window: int | None = None, placeholder: bool = False) -> BlockStored:
     return BlockStored(
-        block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=block_size, medium=medium,
+        block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=block_size, lora_id=None,
+        medium=medium, lora_name=None,
         group_idx=group, kv_cache_spec_kind=KINDS.get(group),
         kv_cache_spec_sliding_window=window if window is not None else (WINDOW_TOKENS if group == WIN else None),
         placeholder=placeholder,

@@ -48,7 +48,8 @@ def replay(log: list[tuple]) -> tuple[dict, dict, dict, Counter, set]:  # type: 
         if op[0] == "store":
             _, g, m, hashes, placeholder = op
             groups.add(g)
-            if g == STATE and len(hashes) > 1:
+            if g == STATE and m != "GPU" and len(hashes) > 1:
+                # offload tiers hold one state per chunk; GPU lists only checkpoints
                 hashes = hashes[-1:]
             for h in hashes:
                 (holder if placeholder else trusted)[(g, m, h)] += 1

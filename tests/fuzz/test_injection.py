@@ -79,7 +79,8 @@ def _messages_for(worker: str, topic: str, kind: str, prefix: str = "kv") -> lis
     """What the bridge would publish for one batch and one record of this worker."""
     subjects = SubjectBook(prefix, worker, 3)
     ident = StreamIdentity(worker=worker, dp_rank=3, topic=topic, epoch=17)
-    event = BlockStored(block_hashes=[b"h"], block_size=16, group_idx=1, kv_cache_spec_kind=kind)
+    event = BlockStored(block_hashes=[b"h"], parent_block_hash=None, token_ids=[], block_size=16, lora_id=None,
+                        medium="GPU", lora_name=None, group_idx=1, kv_cache_spec_kind=kind)
     items = Normalizer(KindBook({}), False).normalize(ident, 5, 1.0, [event], time.time(), NormalizeStats())
     token = worker_token(worker, 3)
     out = []
