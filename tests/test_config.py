@@ -75,7 +75,7 @@ def test_bad_values_name_their_option() -> None:
 
 
 def test_readme_configuration_table_is_current() -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     assert options_table() in readme, "README's configuration table is stale: paste bridge.config.options_table()"
 
 

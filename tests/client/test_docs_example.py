@@ -1,4 +1,4 @@
-"""The consumer example in the README (Consumers section) runs as printed, against a real bridge."""
+"""The consumer example in docs/consumers.md runs as printed, against a real bridge."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.busutil import make_settings, running_bridge
 
 pytestmark = pytest.mark.anyio
 
-DOC = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "consumers.md"
 
 
 async def test_the_documented_consumer_runs(nats_server: NatsServerProcess) -> None:
