@@ -1,1 +1,1 @@
-"""kv-bridge benchmark: `python -m bench.run` (see the README (Benchmark))."""
+"""kv-bridge benchmark: `python -m bench.run` (see docs/benchmark.md)."""

@@ -16,7 +16,7 @@ interleaved across modes (mode after mode for each batch size, then again), so
 a noisy neighbour hurts every mode alike; medians are reported. Then latency
 from the publish (`ts` stamped at send) to NATS delivery at a fixed offered
 load, and an overload run (nats-server SIGSTOPped, small --max-buffered-batches).
-Figures go to bench/results/latest.json. See the README (Benchmark).
+Figures go to bench/results/latest.json. See docs/benchmark.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One validated settings object from `kv-bridge run` flags and `KVB_*` variables.
 
 Every option is declared once in OPTIONS; the parser, the environment lookup and
-the README table all come from that list. A flag wins over its variable.
+the table in docs/configuration.md all come from that list. A flag wins over its variable.
 Secrets (passwords, tokens) are read from files or the environment only, never
 from a flag, so they stay out of process listings.
 """
@@ -374,7 +374,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
 
 
 def options_table() -> str:
-    """The README's configuration table, generated so it cannot drift."""
+    """The configuration table of docs/configuration.md, generated so it cannot drift."""
     rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
     for opt in OPTIONS:
         flag = "—" if opt.kind == "secret" else f"`{opt.flag}`"

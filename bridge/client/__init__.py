@@ -10,7 +10,7 @@ hybrid-aware residency index, ask it where a request's prefix is cached.
         async for item in sub:
             index.apply(item)   # and index.longest_prefix(chain) when a request comes
 
-the README (Consumers) has a complete example and the semantics in full.
+docs/consumers.md has a complete example and the semantics in full.
 """
 
 from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments, settings_for

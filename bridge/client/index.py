@@ -1,6 +1,6 @@
 """The residency index: which block hashes each worker holds, per group and medium.
 
-Semantics (the README (Consumers) has the long form):
+Semantics (docs/consumers.md has the long form):
 
 - Keyed by (worker, dp_rank) → group → medium → hash → count. vLLM announces
   the same hash again when a second physical block gets it, and removes each

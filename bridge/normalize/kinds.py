@@ -1,4 +1,4 @@
-"""vLLM's kv_cache_spec_kind values and the family a consumer needs (DESIGN.md §3)."""
+"""vLLM's kv_cache_spec_kind values and the family a consumer needs (docs/contract.md, Families)."""
 
 from __future__ import annotations
 

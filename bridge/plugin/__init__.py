@@ -4,7 +4,7 @@ vLLM loads `register` (entry point group `vllm.general_plugins`, name
 `kv_bridge_mamba_events`) in every process it starts. It patches the
 offloading connector's event tracker so a Mamba group's offloaded chunk is
 announced at its one reusable hash instead of as a placeholder. See
-the README (GPU hosts).
+docs/plugin.md.
 """
 
 from __future__ import annotations

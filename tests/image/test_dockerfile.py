@@ -1,5 +1,5 @@
 """Cheap checks of the container image recipe (the image build itself is too
-slow for CI; it is scripts/build-image.sh, documented in the README (Kubernetes))."""
+slow for CI; it is scripts/build-image.sh, documented in docs/kubernetes.md)."""
 
 from __future__ import annotations
 
