@@ -9,6 +9,7 @@ One run, one machine, the same pre-generated vLLM 0.33.0 traffic for every mode:
   core       kv-bridge (`python -m bridge run`) into a real nats-server, core NATS
   minimal-js the minimal relay into the JetStream stream (acks read and dropped)
   jetstream  the same with --jetstream (acks, Nats-Msg-Id) into a file-backed stream
+  core-array core fed the same events as vLLM 0.9.0-0.23.0 encoded them (array events)
 
 Each measured consumer is its own process with its own publisher process, so
 its CPU and RSS are its own (read from /proc). Throughput repeats are
@@ -60,6 +61,8 @@ TARGETS = {
     "core_vs_naive": 10.0,
     "jetstream_vs_floor": 0.2,
     "p99_ms": 5.0,
+    # array-form (and, with --ref-src, this tree's map-form) throughput against map form (the reference's)
+    "encoding_vs_map": 0.95,
 }
 
 
@@ -91,6 +94,7 @@ class Plan:
     bridge_src: Path | None
     ref_src: Path | None
     bridge_args: list[str]
+    array_form: bool
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -124,6 +128,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         bridge_src=Path(args.bridge_src).resolve() if args.bridge_src else None,
         ref_src=Path(args.ref_src).resolve() if args.ref_src else None,
         bridge_args=list(args.bridge_arg or []),
+        array_form=not args.skip_array_form and "core" in (args.modes or MODES),
     )
 
 
@@ -605,14 +610,30 @@ def alone(runner: Runner, runners: list[Runner]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
-def make_runners(plan: Plan, traffic: Path, pools: dict[int, Pool], tmp: Path) -> list[Runner]:
-    """One runner per mode; with --ref-src, each kv-bridge mode again from that
-    tree (label `<mode>-ref`), interleaved with the others: an A/B in one run."""
-    runners = []
+def runner_plan(plan: Plan) -> list[tuple[str, str, str]]:
+    """(name, mode, encoding) of every runner, in run order: one per mode;
+    with --ref-src, each kv-bridge mode again from that tree (`<mode>-ref`);
+    and core once more on array-form traffic (`core-array`). All interleaved
+    with the others: A/Bs in one run."""
+    out = []
     for mode in plan.modes:
-        runners.append(Runner(mode, plan, traffic, pools, tmp))
+        out.append((mode, mode, "map"))
         if plan.ref_src is not None and mode in ("core", "jetstream"):
-            runners.append(Runner(mode, plan, traffic, pools, tmp, label=f"{mode}-ref", src=plan.ref_src))
+            out.append((f"{mode}-ref", mode, "map"))
+        if plan.array_form and mode == "core":
+            out.append(("core-array", mode, "array"))
+    return out
+
+
+Traffic = dict[str, tuple[Path, dict[int, Pool]]]
+
+
+def make_runners(plan: Plan, traffic: Traffic, tmp: Path) -> list[Runner]:
+    runners = []
+    for name, mode, encoding in runner_plan(plan):
+        path, pools = traffic[encoding]
+        src = plan.ref_src if name.endswith("-ref") else None
+        runners.append(Runner(mode, plan, path, pools, tmp, label="" if name == mode else name, src=src))
     return runners
 
 
@@ -635,6 +656,9 @@ async def measure(plan: Plan) -> dict[str, Any]:
     say(f"kv-bridge bench ({'smoke' if plan.smoke else 'full'}): modes {', '.join(plan.modes)}; "
         f"batch sizes {', '.join(map(str, plan.sizes))}; {plan.repeats} interleaved repeat(s)")
     traffic, pools = cached(plan.sizes, plan.pool_events, plan.cache_dir)
+    by_encoding: Traffic = {"map": (traffic, pools)}
+    if plan.array_form:
+        by_encoding["array"] = cached(plan.sizes, plan.pool_events, plan.cache_dir, encoding="array")
     say(f"traffic: {traffic.name}, " + ", ".join(
         f"{s}-event batches: {len(p.payloads)} distinct, {sum(map(len, p.payloads)) // len(p.payloads)} B avg"
         for s, p in pools.items()))
@@ -645,7 +669,7 @@ async def measure(plan: Plan) -> dict[str, Any]:
     results: dict[str, Any] = {"throughput": [], "latency": [], "processes": {}}
     with tempfile.TemporaryDirectory(prefix="kvb-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        runners = make_runners(plan, traffic, pools, tmp)
+        runners = make_runners(plan, by_encoding, tmp)
         try:
             await asyncio.gather(*(r.start() for r in runners))
             say("warm-up ...")
@@ -674,7 +698,7 @@ async def measure(plan: Plan) -> dict[str, Any]:
             # up to the kernel's dirty limit), written back over the next minute
             # on the same CPUs and disk: out of the latency runs' way first.
             await asyncio.to_thread(os.sync)
-            runners = make_runners(plan, traffic, pools, tmp)
+            runners = make_runners(plan, by_encoding, tmp)
             await asyncio.gather(*(r.start() for r in runners))
             # Warm-up at the fixed load itself, unmeasured: a fresh process's
             # first second (first calls, heap and buffer growth, a restarted
@@ -767,7 +791,8 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """Medians per (mode, size), ratios to the floor and the naive bridge from
     the same run, and the targets."""
     table: dict[str, dict[str, Any]] = {}
-    for mode in plan.modes:
+    names = [name for name, _, _ in runner_plan(plan)]
+    for mode in names:
         for size in plan.sizes:
             runs = [s for s in results["throughput"] if s["mode"] == mode and s["size"] == size]
             lats = [s for s in results["latency"] if s["mode"] == mode and s["size"] == size and "skipped" not in s]
@@ -796,7 +821,7 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
         y = table.get(b, {}).get(str(size), {}).get("events_per_s")
         return round(x / y, 3) if x and y else None
 
-    for mode in plan.modes:
+    for mode in names:
         for size in plan.sizes:
             row = table[mode][str(size)]
             row["ratio_to_floor"] = ratio(mode, "floor", size)
@@ -825,7 +850,18 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
             targets[name] = {"threshold": threshold, "per_size": per_size,
                              "met": all(v["met"] for v in per_size.values())}
 
+    for mode in names:
+        for size in plan.sizes:
+            row = table[mode][str(size)]
+            if mode == "core-array":
+                row["ratio_to_map"] = ratio(mode, "core-ref" if "core-ref" in table else "core", size)
+            elif mode == "core" and "core-ref" in table:
+                row["ratio_to_map"] = ratio(mode, "core-ref", size)
     target("core_vs_floor", "core", "ratio_to_floor", TARGETS["core_vs_floor"])
+    if "core-array" in table:
+        target("core_array_vs_map", "core-array", "ratio_to_map", TARGETS["encoding_vs_map"])
+    if "core-ref" in table:
+        target("core_map_vs_ref", "core", "ratio_to_map", TARGETS["encoding_vs_map"])
     target("core_vs_naive", "core", "ratio_to_naive", TARGETS["core_vs_naive"])
     target("jetstream_vs_floor", "jetstream", "ratio_to_floor", TARGETS["jetstream_vs_floor"])
     target("core_p99_ms", "core", "p99_ms", TARGETS["p99_ms"], higher=False, yardstick="minimal")
@@ -851,6 +887,7 @@ def render(summary: dict[str, Any], results: dict[str, Any], plan: Plan) -> str:
         (f"throughput: medians of {plan.repeats} burst(s) per cell; CPU of the measured process only. "
          f"At {rate} ev/s offered: medians of {plan.latency_repeats} run(s), latency publish -> delivery."),
     ]
+    names = [name for name, _, _ in runner_plan(plan)]
     head = (f"{'mode':<10} {'B':>4} {'events/s':>11} {'x floor':>8} {'x naive':>8} {'CPU s/M':>8} "
             f"{'| p50 ms':>9} {'p99 ms':>8} {'CPU s/M':>8} {'RSS MiB':>8}")
     lines += [head, "-" * len(head)]
@@ -859,7 +896,7 @@ def render(summary: dict[str, Any], results: dict[str, Any], plan: Plan) -> str:
         return "-" if v is None else format(v, spec)
 
     for size in plan.sizes:
-        for mode in plan.modes:
+        for mode in names:
             row = summary["table"][mode][str(size)]
             lat = row["latency"] or {}
             lines.append(
@@ -872,7 +909,7 @@ def render(summary: dict[str, Any], results: dict[str, Any], plan: Plan) -> str:
                 + (f"  ({row['latency_skipped']})" if row["latency_skipped"] else ""))
         lines.append("")
     lines.append("peak RSS MiB over the whole run (throughput bursts queue in ZMQ and the bridge): " + ", ".join(
-        f"{m} {summary['table'][m]['peak_rss_mb']}" for m in plan.modes))
+        f"{m} {summary['table'][m]['peak_rss_mb']}" for m in names))
     if "overload" in results:
         o = results["overload"]
         lines.append(
@@ -919,6 +956,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bridge-src", help="Run kv-bridge from another source tree (its root).")
     ap.add_argument("--ref-src", help="Also run each kv-bridge mode from this source tree (label <mode>-ref), "
                                       "interleaved with the others: an A/B of a change in one run.")
+    ap.add_argument("--skip-array-form", action="store_true",
+                    help="Skip core-array (core fed array-form events, as vLLM 0.9.0-0.23.0 sent them).")
     ap.add_argument("--bridge-arg", action="append", metavar="FLAG",
                     help="Extra `kv-bridge run` flag for the bridge modes, e.g. --bridge-arg=--js-max-pending=1024.")
     return ap

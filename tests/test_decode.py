@@ -161,3 +161,31 @@ def test_relayed_events_keep_every_field_vllm_requires() -> None:
         assert fields[0] == {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": [],
                              "block_size": 16, "lora_id": None, "medium": None, "lora_name": None}
         assert fields[1] == {"type": "BlockRemoved", "block_hashes": [5], "medium": None}
+
+
+def test_array_elements_past_the_last_array_field_are_ignored_not_taken_for_map_fields() -> None:
+    """Positions 12 and on were never sent in array form: a publisher that
+    puts something there (here a `placeholder` flag, the bridge's own word)
+    changes nothing."""
+    store = ["BlockStored", [1], None, [1], 16, None, "GPU", None, None, 1, "sliding_window", 32,
+             "REMOTE", "tier", "session", [[1]], True, "more"]
+    removal = ["BlockRemoved", [1], "GPU", 1, "REMOTE", "tier"]
+    for relay in (False, True):
+        s, r = BatchDecoder(relay=relay).decode(enc([1.0, [store, removal]])).events
+        assert (s.locality, s.ownership, s.session_id, s.lookahead_token_ids, s.placeholder) == (  # type: ignore[union-attr]
+            None, None, None, None, False)
+        assert (r.locality, r.ownership) == (None, None)  # type: ignore[union-attr]
+
+
+def test_array_events_become_the_same_structs_with_or_without_retyping() -> None:
+    """The class swap and the fallback that builds each event anew agree."""
+    from bridge.decode.arrays import RETYPE, ArrayRelayEventBatch, as_map_events
+
+    assert RETYPE, "this Python and msgspec allow the class swap; the fallback is for those that do not"
+    payload = enc([1.0, [["BlockStored", [2**64 - 1], -3, [5, 6], 2, 1, "CPU", "l", [None], 2, "mamba", None, "x"],
+                         ["BlockRemoved", [7], "CPU", 2, "x"], ["AllBlocksCleared", "x"]], 3])
+    decode = msgspec.msgpack.Decoder(ArrayRelayEventBatch).decode
+    swapped = as_map_events(decode(payload).events, retype=True)
+    rebuilt = as_map_events(decode(payload).events, retype=False)
+    assert [type(e) for e in swapped] == [type(e) for e in rebuilt]
+    assert [msgspec.msgpack.encode(e) for e in swapped] == [msgspec.msgpack.encode(e) for e in rebuilt]

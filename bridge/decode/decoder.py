@@ -7,11 +7,8 @@ from typing import Any
 
 import msgspec
 
+from bridge.decode.arrays import ArrayEvent, ArrayEventBatch, ArrayRelayEvent, ArrayRelayEventBatch, as_map_events
 from bridge.decode.wire import (
-    ArrayEventBatch,
-    ArrayRelayEventBatch,
-    ArrayEvent,
-    ArrayRelayEvent,
     Event,
     KVEventBatch,
     LenientEvent,
@@ -20,7 +17,7 @@ from bridge.decode.wire import (
     RelayBlockStored,
     RelayEvent,
     RelayEventBatch,
-    from_other_form,
+    from_lenient,
 )
 
 # First bytes of a msgpack array: fixarray, array 16, array 32.
@@ -108,9 +105,7 @@ class BatchDecoder:
             batch = self._arrays.decode(payload)
         except _DECODE_ERRORS:
             return None
-        relay = self._relay
-        events = [from_other_form(event, relay) for event in batch.events]
-        return DecodedBatch(batch.ts, events, batch.data_parallel_rank, [])
+        return DecodedBatch(batch.ts, as_map_events(batch.events), batch.data_parallel_rank, [])
 
     def _decode_slowly(self, payload: bytes) -> DecodedBatch:
         try:
@@ -137,13 +132,13 @@ class BatchDecoder:
         """One event in whichever form it came; raises what msgspec raises."""
         head = memoryview(item)[0] if len(item) else -1
         if head in _ARRAY_HEADS:
-            return from_other_form(self._array_event.decode(item), self._relay)
+            return as_map_events([self._array_event.decode(item)])[0]
         try:
             return self._map_event.decode(item)  # type: ignore[no-any-return]
         except _DECODE_ERRORS:
             if head not in _MAP_HEADS:
                 raise
-        return from_other_form(self._lenient_event.decode(item), self._relay)
+        return from_lenient(self._lenient_event.decode(item), self._relay)
 
     def _classify(self, item: msgspec.Raw, exc: Exception) -> tuple[str, str]:
         try:

@@ -144,87 +144,19 @@ LenientEvent = Union[LenientBlockStored, LenientBlockRemoved, AllBlocksCleared]
 LenientRelayEvent = Union[LenientRelayBlockStored, LenientBlockRemoved, AllBlocksCleared]
 
 
-# -- array events: vLLM 0.9.0 through 0.23.0 ------------------------------------
-
-
-class _ArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
-    pass
-
-
-class ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
-    """`[tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-    medium (0.10.2), lora_name (0.14.0), extra_keys (0.17.0), group_idx (0.20.0),
-    kv_cache_spec_kind, kv_cache_spec_sliding_window (0.22.0)]`, trailing
-    defaults left off by the publisher."""
-
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class ArrayRelayBlockStored(ArrayBlockStored, tag="BlockStored"):
-    token_ids: msgspec.Raw = EMPTY_RAW_ARRAY  # type: ignore[assignment]
-
-
-class ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    """`[tag, block_hashes, medium (0.10.2), group_idx (0.20.0)]`."""
-
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-ArrayEvent = Union[ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]
-ArrayRelayEvent = Union[ArrayRelayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]
-
-
-class ArrayEventBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[ArrayEvent]
-    data_parallel_rank: int | None = None
-
-
-class ArrayRelayEventBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[ArrayRelayEvent]
-    data_parallel_rank: int | None = None
-
-
 # One instance serves every clear: it has no fields, and nothing changes it.
 CLEARED = AllBlocksCleared()
 
 
-def from_other_form(event: Any, relay: bool) -> Event:
-    """An array or lenient event as the map struct the bridge relays. Fields
-    a release did not have take vLLM's defaults."""
-    cls = type(event)
-    if cls is ArrayAllBlocksCleared or cls is AllBlocksCleared:
-        return CLEARED
-    if cls is ArrayBlockRemoved:
-        return BlockRemoved(event.block_hashes, event.medium, event.group_idx)
-    if cls is LenientBlockRemoved:
+def from_lenient(event: LenientBlockStored | LenientBlockRemoved | AllBlocksCleared, relay: bool) -> Event:
+    """A lenient event as the map struct the bridge relays; what it lacked takes vLLM's defaults."""
+    if type(event) is LenientBlockRemoved:
         return BlockRemoved(event.block_hashes, event.medium, event.group_idx, event.locality, event.ownership)
+    if type(event) is not LenientBlockStored and type(event) is not LenientRelayBlockStored:
+        return CLEARED
     stored = RelayBlockStored if relay else BlockStored
-    if cls is ArrayBlockStored or cls is ArrayRelayBlockStored:
-        return stored(
-            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,
-            event.medium, event.lora_name, event.extra_keys, event.group_idx, event.kv_cache_spec_kind,
-            event.kv_cache_spec_sliding_window,
-        )
     return stored(
-        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,
+        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,  # type: ignore[arg-type]
         event.medium, event.lora_name, event.extra_keys, event.group_idx, event.kv_cache_spec_kind,
         event.kv_cache_spec_sliding_window, event.locality, event.ownership, event.session_id,
         event.lookahead_token_ids,
