@@ -2,49 +2,32 @@
 
 Every option is declared once in OPTIONS; the parser, the environment lookup and
 the table in docs/configuration.md all come from that list. A flag wins over its variable.
-Secrets (passwords, tokens) are read from files or the environment only, never
-from a flag, so they stay out of process listings.
+The NATS access options (servers, subject prefix, credentials, TLS) are declared
+in bridge.access, which the consumers' tools share.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
-import ssl
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
+from bridge.access import (
+    NATS_AUTH_OPTIONS,
+    NATS_URL,
+    SUBJECT_PREFIX,
+    ConfigError,
+    NatsAccess,
+    Option,
+    check_access,
+    check_prefix,
+    redact_url,
+)
 from bridge.normalize.kinds import parse_group_kind
-from bridge.sink.subjects import validate_prefix, validate_worker_id
-
-
-class ConfigError(ValueError):
-    def __init__(self, option: str, problem: str) -> None:
-        super().__init__(f"{option}: {problem}")
-        self.option = option
-
-
-@dataclass(frozen=True)
-class Option:
-    flag: str
-    kind: str  # str | int | float | bool | list | choice | secret
-    default: Any
-    help: str
-    choices: tuple[str, ...] = ()
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return "KVB_" + self.dest.upper()
-
+from bridge.sink.subjects import validate_worker_id
 
 OPTIONS: tuple[Option, ...] = (
     Option("--zmq-endpoint", "list", ["tcp://127.0.0.1:5557"],
@@ -54,9 +37,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--dp-ranks", "int", 1, "Data-parallel ranks behind each endpoint; rank r listens on port + r, as vLLM offsets them."),
     Option("--topic", "str", "", "vLLM's kv-events topic (ZMQ subscription prefix)."),
     Option("--worker-id", "str", "", "Worker id in subjects and payloads. Default: $POD_NAME, else the host name."),
-    Option("--nats-url", "list", [],
-           "NATS server URL (repeatable for a cluster). Empty: start a local nats-server (needs the `embedded` extra)."),
-    Option("--subject-prefix", "str", "kv", "First subject token(s): <prefix>.<worker>.<group>."),
+    NATS_URL,
+    SUBJECT_PREFIX,
     Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
     Option("--group-kind", "list", [], "Pin a group's kind: IDX=KIND (repeatable), e.g. 1=mamba."),
     Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
@@ -85,27 +67,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
     Option("--registry-bucket", "str", "kv_workers", "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
     Option("--heartbeat-interval", "float", 5.0, "Seconds between worker registry heartbeats."),
-    Option("--nats-user", "str", "", "NATS user name (password from KVB_NATS_PASSWORD or --nats-password-file)."),
-    Option("--nats-password-file", "str", "", "File holding the NATS password."),
-    Option("--nats-password", "secret", "", "NATS password: environment only (KVB_NATS_PASSWORD)."),
-    Option("--nats-token-file", "str", "", "File holding a NATS token."),
-    Option("--nats-token", "secret", "", "NATS token: environment only (KVB_NATS_TOKEN)."),
-    Option("--nats-nkey-seed-file", "str", "", "File holding an NKey seed."),
-    Option("--nats-creds-file", "str", "", "NATS .creds file (JWT and seed)."),
-    Option("--nats-tls-ca", "str", "", "CA bundle to verify the NATS server."),
-    Option("--nats-tls-cert", "str", "", "Client certificate for mutual TLS."),
-    Option("--nats-tls-key", "str", "", "Client key for mutual TLS."),
+    *NATS_AUTH_OPTIONS,
 )
 
 
-class Settings(msgspec.Struct, frozen=True):
+class Settings(NatsAccess, frozen=True):
+    """Every option of `kv-bridge run`; the NATS access fields come from NatsAccess."""
+
     zmq_endpoint: list[str]
     replay_endpoint: list[str]
     dp_ranks: int
     topic: str
     worker_id: str
-    nats_url: list[str]
-    subject_prefix: str
     format: str
     group_kind: dict[int, str]
     keep_placeholders: bool
@@ -133,16 +106,6 @@ class Settings(msgspec.Struct, frozen=True):
     js_ack_timeout: float
     registry_bucket: str
     heartbeat_interval: float
-    nats_user: str
-    nats_password_file: str
-    nats_password: str
-    nats_token_file: str
-    nats_token: str
-    nats_nkey_seed_file: str
-    nats_creds_file: str
-    nats_tls_ca: str
-    nats_tls_cert: str
-    nats_tls_key: str
 
     def __repr__(self) -> str:  # secrets must never reach a log line through repr
         return f"Settings(worker_id={self.worker_id!r}, nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
@@ -150,10 +113,9 @@ class Settings(msgspec.Struct, frozen=True):
     def redacted(self) -> dict[str, Any]:
         """What is safe to log: secrets shown only as set or not, and no
         user:password@ or token@ inside a NATS URL."""
-        out = msgspec.structs.asdict(self)
-        for key in ("nats_password", "nats_token"):
-            out[key] = "<set>" if out[key] else ""
-        out["nats_url"] = [redact_url(u) for u in self.nats_url]
+        # In the option table's order, as the log line lists them.
+        out = {opt.dest: getattr(self, opt.dest) for opt in OPTIONS}
+        out.update(NatsAccess.redacted(self))
         return out
 
     def stream_endpoints(self) -> list[tuple[int, str, str | None]]:
@@ -164,86 +126,6 @@ class Settings(msgspec.Struct, frozen=True):
             for rank in range(self.dp_ranks):
                 out.append((rank, offset_port(endpoint, rank), offset_port(replay, rank) if replay else None))
         return out
-
-
-def redact_url(url: str) -> str:
-    """`nats://user:secret@host:4222` → `nats://user:<redacted>@host:4222`;
-    `nats://token@host` → `nats://<redacted>@host`."""
-    if "@" not in url:
-        return url
-    try:
-        parts = urlsplit(url if "://" in url else f"nats://{url}")
-    except ValueError:
-        return "<redacted url>"
-    host = parts.netloc.rpartition("@")[2]
-    user = "<redacted>" if parts.password is None else f"{parts.username}:<redacted>"
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
-
-
-_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
-
-
-def _check_nats_security(values: dict[str, Any], check: Callable[[bool, str, str], None]) -> None:
-    """Secrets, keys and certificates are read once here so that a bad one is a
-    configuration error naming its option, not a retry loop or a crash later.
-    Problems are described without quoting the files' contents."""
-    for url in values["nats_url"]:
-        if "://" in url:
-            check(url.split("://", 1)[0] in _NATS_SCHEMES, "--nats-url",
-                  f"{redact_url(url)!r}: scheme must be one of {', '.join(_NATS_SCHEMES)}")
-    for flag in ("--nats-password-file", "--nats-token-file"):
-        path = values[flag.lstrip("-").replace("-", "_")]
-        if path:
-            check(_read(path).strip() != "", flag, f"{path} is empty")
-    if values["nats_nkey_seed_file"]:
-        check(_valid_seed(_read(values["nats_nkey_seed_file"]).strip()), "--nats-nkey-seed-file",
-              f"{values['nats_nkey_seed_file']} holds no valid NKey seed")
-    creds = values["nats_creds_file"]
-    if creds:
-        text = _read(creds)
-        seed = _between(text, "BEGIN USER NKEY SEED", "END USER NKEY SEED")
-        check("BEGIN NATS USER JWT" in text and _valid_seed(seed), "--nats-creds-file",
-              f"{creds} is not a NATS .creds file (a user JWT and a user NKey seed)")
-    if values["nats_tls_ca"]:
-        try:
-            ssl.create_default_context(cafile=values["nats_tls_ca"])
-        except (ssl.SSLError, ValueError, OSError) as exc:
-            check(False, "--nats-tls-ca", f"{values['nats_tls_ca']}: not a usable CA bundle ({type(exc).__name__})")
-    if values["nats_tls_cert"] and values["nats_tls_key"]:
-        try:
-            ssl.create_default_context().load_cert_chain(values["nats_tls_cert"], values["nats_tls_key"])
-        except (ssl.SSLError, ValueError, OSError) as exc:
-            check(False, "--nats-tls-cert",
-                  f"{values['nats_tls_cert']} and --nats-tls-key do not load as a certificate and its key "
-                  f"({type(exc).__name__})")
-
-
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        return fh.read()
-
-
-def _between(text: str, begin: str, end: str) -> str:
-    """The first non-marker line between two .creds markers."""
-    inside = False
-    for line in text.splitlines():
-        if begin in line:
-            inside = True
-        elif end in line:
-            break
-        elif inside and line.strip():
-            return line.strip()
-    return ""
-
-
-def _valid_seed(seed: str) -> bool:
-    import nkeys  # type: ignore[import-untyped]
-
-    try:
-        nkeys.from_seed(bytearray(seed.encode())).wipe()
-    except (nkeys.NkeysError, ValueError, TypeError):
-        return False
-    return True
 
 
 def offset_port(endpoint: str, rank: int) -> str:
@@ -272,42 +154,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(opt.flag, dest=opt.dest, default=None, help=opt.help + env_note)
 
 
-_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
-
-
-def _convert(opt: Option, raw: Any) -> Any:
-    if opt.kind == "list":
-        items = raw if isinstance(raw, list) else str(raw).split(",")
-        return [item.strip() for item in items if item.strip()]
-    if opt.kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        word = str(raw).strip().lower()
-        if word not in _BOOL_WORDS:
-            raise ConfigError(opt.flag, f"expected true/false, got {raw!r}")
-        return _BOOL_WORDS[word]
-    if opt.kind == "int":
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(opt.flag, f"expected an integer, got {raw!r}") from None
-    if opt.kind == "float":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(opt.flag, f"expected a number, got {raw!r}") from None
-    if opt.kind == "choice" and raw not in opt.choices:
-        raise ConfigError(opt.flag, f"expected one of {', '.join(opt.choices)}, got {raw!r}")
-    return str(raw)
-
-
 def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
-    values: dict[str, Any] = {}
-    for opt in OPTIONS:
-        raw = getattr(args, opt.dest, None)
-        if raw is None:
-            raw = environ.get(opt.env)
-        values[opt.dest] = opt.default if raw is None else _convert(opt, raw)
+    values: dict[str, Any] = {opt.dest: opt.read(args, environ) for opt in OPTIONS}
     return _validated(values, environ)
 
 
@@ -331,10 +179,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
         values["worker_id"] = validate_worker_id(worker)
     except ValueError as exc:
         raise ConfigError("--worker-id", str(exc)) from None
-    try:
-        validate_prefix(values["subject_prefix"])
-    except ValueError as exc:
-        raise ConfigError("--subject-prefix", str(exc)) from None
+    check_prefix(values["subject_prefix"])
     kinds: dict[int, str] = {}
     for spec in values["group_kind"]:
         try:
@@ -361,16 +206,9 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     check(values["js_max_pending_bytes"] >= 1024 * 1024, "--js-max-pending-bytes", "must be at least 1 MiB")
     check(values["js_ack_timeout"] > 0, "--js-ack-timeout", "must be positive")
     check(values["heartbeat_interval"] > 0, "--heartbeat-interval", "must be positive")
-    for flag in ("--nats-password-file", "--nats-token-file", "--nats-nkey-seed-file", "--nats-creds-file",
-                 "--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key"):
-        path = values[flag.lstrip("-").replace("-", "_")]
-        check(not path or os.path.isfile(path), flag, f"no such file: {path}")
-    check(not ((values["nats_password"] or values["nats_password_file"]) and not values["nats_user"]),
-          "--nats-user", "a NATS password needs a user name")
-    check(bool(values["nats_tls_cert"]) == bool(values["nats_tls_key"]), "--nats-tls-cert",
-          "client certificate and key go together")
-    _check_nats_security(values, check)
-    return msgspec.convert(values, Settings)
+    settings = msgspec.convert(values, Settings)
+    check_access(settings)
+    return settings
 
 
 def options_table() -> str:

@@ -19,23 +19,19 @@ import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.subscription import Subscription
 
-from bridge.config import OPTIONS, ConfigError, Option, Settings, load_settings
-from bridge.sink.connection import connect_options
+from bridge.access import ACCESS_OPTIONS, ConfigError, NatsAccess, connect_options, load_access
 
 DEFAULT_URL: Final = "nats://127.0.0.1:4222"
 
-_ACCESS_DESTS: Final = frozenset({
-    "nats_url", "subject_prefix", "nats_user", "nats_password_file", "nats_password", "nats_token_file",
-    "nats_token", "nats_nkey_seed_file", "nats_creds_file", "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
-})
-_ACCESS_OPTIONS: Final[tuple[Option, ...]] = tuple(o for o in OPTIONS if o.dest in _ACCESS_DESTS)
+_ACCESS_DESTS: Final = frozenset(o.dest for o in ACCESS_OPTIONS)
 
 
 def add_access_arguments(parser: argparse.ArgumentParser) -> None:
     """`--nats-url`, `--subject-prefix` and the auth/TLS file flags, as `run` has them."""
     group = parser.add_argument_group("NATS access (same flags and KVB_* variables as `kv-bridge run`)")
-    for opt in _ACCESS_OPTIONS:
+    for opt in ACCESS_OPTIONS:
         if opt.kind == "secret":
             continue
         help_text = f"{opt.help} [env {opt.env}]"
@@ -45,19 +41,16 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(opt.flag, dest=opt.dest, action=action, default=None, help=help_text)
 
 
-def access_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
-    """A full `Settings` (what `connect_options` takes) from the access flags and
-    variables only; everything else keeps its default. Raises ConfigError."""
-    env = os.environ if environ is None else environ
-    wanted = {o.env for o in _ACCESS_OPTIONS}
-    values = {o.dest: getattr(args, o.dest, None) for o in _ACCESS_OPTIONS}
-    settings = load_settings(argparse.Namespace(**values), {k: v for k, v in env.items() if k in wanted})
-    if not settings.nats_url:
-        settings = msgspec.structs.replace(settings, nats_url=[DEFAULT_URL])
-    return settings
+def access_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> NatsAccess:
+    """NATS access (what `connect_options` takes) from the access flags and
+    variables only. Raises ConfigError."""
+    access = load_access(args, os.environ if environ is None else environ)
+    if not access.nats_url:
+        access = msgspec.structs.replace(access, nats_url=[DEFAULT_URL])
+    return access
 
 
-def settings_for(*urls: str, environ: Mapping[str, str] | None = None, **options: str) -> Settings:
+def settings_for(*urls: str, environ: Mapping[str, str] | None = None, **options: str) -> NatsAccess:
     """Settings for API users: server URLs plus any access option by its
     settings name (`nats_creds_file=...`, `subject_prefix=...`); variables
     (`KVB_NATS_TOKEN`, ...) fill the rest, as for the CLI."""
@@ -70,12 +63,13 @@ def settings_for(*urls: str, environ: Mapping[str, str] | None = None, **options
 class BusConnection:
     """One NATS connection plus what a consumer must know about its health:
     a disconnect means core subscribers missed whatever was published meanwhile,
-    and a slow-consumer drop means nats-py threw messages away."""
+    and a slow-consumer drop means nats-py threw messages away (counted per
+    subscription)."""
 
     def __init__(self) -> None:
         self.nc: NatsClient | None = None
         self.disconnects = 0
-        self.slow_consumer_drops: Counter[int] = Counter()
+        self.slow_consumer_drops: Counter[Subscription] = Counter()
         self._closing = False
 
     async def _on_disconnect(self) -> None:
@@ -87,9 +81,9 @@ class BusConnection:
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
-            self.slow_consumer_drops[exc.sid] += 1
+            self.slow_consumer_drops[exc.sub] += 1
 
-    async def open(self, settings: Settings, name: str, timeout: float = 5.0) -> NatsClient:
+    async def open(self, settings: NatsAccess, name: str, timeout: float = 5.0) -> NatsClient:
         """Connects or raises ConnectionError within `timeout`: nats-py alone
         would retry an unreachable server forever, which a CLI must not."""
         opts = connect_options(settings, name, self._on_disconnect, self._on_reconnect, self._on_error)

@@ -178,7 +178,7 @@ class BusSubscriber:
         if self.since is not None or self._sub is None:
             return None
         disconnects = self._conn.disconnects
-        drops = self._conn.slow_consumer_drops[self._sub._id]
+        drops = self._conn.slow_consumer_drops[self._sub]
         reason: Literal["disconnect", "slow_consumer"] | None = None
         if disconnects != self._seen_disconnects:
             reason = "disconnect"

@@ -11,9 +11,9 @@ import anyio
 import msgspec
 import nats.js.errors
 
+from bridge.access import ConfigError, NatsAccess
 from bridge.client.access import BusConnection, access_settings, add_access_arguments
 from bridge.client.subscribe import DEFAULT_STREAM, BusMessage, BusSubscriber, Interruption, StartAt, parse_since
-from bridge.config import ConfigError, Settings
 from bridge.contract import GroupMessage
 from bridge.tools.render import render_group, render_record
 
@@ -80,7 +80,7 @@ def text_line(item: BusMessage) -> str:
     return line if item.stream_seq is None else f"#{item.stream_seq} {line}"
 
 
-async def tail(settings: Settings, subject: str, since: StartAt | None, stream: str, as_json: bool, count: int,
+async def tail(settings: NatsAccess, subject: str, since: StartAt | None, stream: str, as_json: bool, count: int,
                out: TextIO) -> int:
     conn = BusConnection()
     try:

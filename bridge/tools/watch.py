@@ -20,12 +20,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from bridge.access import ConfigError, NatsAccess
 from bridge.client.access import BusConnection, access_settings, add_access_arguments
 from bridge.client.index import ResidencyIndex
 from bridge.client.registry import DEFAULT_BUCKET, RegistryFollower, declare_entry
 from bridge.client.residency import WorkerKey, WorkerView
 from bridge.client.subscribe import DEFAULT_STREAM, BusSubscriber, StartAt, parse_since
-from bridge.config import ConfigError, Settings
 from bridge.registry import DEFAULT_DEAD_AFTER
 
 MEDIA = ("GPU", "CPU", "STORAGE")
@@ -201,7 +201,7 @@ async def _feed(sub: BusSubscriber, index: ResidencyIndex) -> None:
         index.apply(item)
 
 
-async def watch(settings: Settings, opts: WatchOptions, out: TextIO) -> int:
+async def watch(settings: NatsAccess, opts: WatchOptions, out: TextIO) -> int:
     conn = BusConnection()
     try:
         nc = await conn.open(settings, "kv-bridge watch")
