@@ -31,9 +31,10 @@ log = structlog.get_logger("bridge.service")
 
 class Bridge:
     """Everything one `kv-bridge run` holds. Tests drive it in-process with
-    `run(stop=...)`; the CLI drives it with signals."""
+    `run(stop=...)`; the CLI drives it with signals. `nats_fast_path=False`
+    keeps the sink to nats-py's public API (bridge.sink.nats_fastpath)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, nats_fast_path: bool = True) -> None:
         self.settings = settings
         self.metrics = Metrics()
         self.health = Health()
@@ -47,8 +48,8 @@ class Bridge:
             self.catalog, settings.max_buffered_batches, self._gap_batch,
             self.metrics.dropped_by["queue_overflow"].inc, settings.max_buffered_bytes,
         )
-        self.sink = NatsSink(settings, self.queue, self.metrics, self.health)
-        self.sink.on_refused = self._refused
+        self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
+                             fast_path=nats_fast_path)
         self._subscribed = 0
         self.ready = anyio.Event()
 

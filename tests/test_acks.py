@@ -7,8 +7,8 @@ import anyio
 import pytest
 
 from bridge.sink.acks import AckWindow, ack_error, take_acks
-from bridge.sink.connection import BridgeClient
 from bridge.sink.encode import Outgoing
+from bridge.sink.nats_fastpath import BridgeClient
 from bridge.sink.queue import OutBatch
 
 PREFIX = b"MSG _INBOX.abc."

@@ -1,10 +1,9 @@
 """Publishes queued batches to NATS, core or JetStream, in queue order.
 
-Both modes write the queued batches as one buffer of HPUB frames into nats-py's
-connection (straight onto its socket when nothing of nats-py's is waiting,
-else through its pending buffer and flusher): no round trip, future or header
-encoding per message. JetStream frames carry a reply subject; the acks come back to an
-AckWindow of at most --js-max-pending messages, and one that is lost with a
+Both modes hand the queued batches to the connection in one write (how, fast
+or by nats-py's public API, is bridge.sink.nats_fastpath's business): no round
+trip or future per message. JetStream messages carry a reply subject; the acks
+come back to an AckWindow of at most --js-max-pending messages, and one that is lost with a
 connection or late is published again with the same Nats-Msg-Id, which the
 stream de-duplicates. One the stream refuses is tried again a few times, then
 given up: counted, logged, and its batch named by a `gap` record, so that one
@@ -25,15 +24,15 @@ import nats.js
 import nats.js.errors
 import structlog
 from nats.aio.client import Client as NatsClient
-from nats.aio.transport import TcpTransport
 
+from bridge.access import connect_options
 from bridge.config import Settings
 from bridge.observe.health import Health
 from bridge.observe.metrics import Metrics
 from bridge.sink.acks import AckWindow, Sent
-from bridge.sink.connection import BridgeClient, connect_options
-from bridge.sink.encode import Outgoing, hpub_frames
+from bridge.sink.encode import Outgoing
 from bridge.sink.jetstream import ensure_stream
+from bridge.sink.nats_fastpath import select_path
 from bridge.sink.queue import BatchQueue, OutBatch
 
 log = structlog.get_logger("bridge.nats")
@@ -43,10 +42,6 @@ _CONNECT_ATTEMPT_S = 5.0
 # One write gathers the queued batches up to these bounds.
 _WRITE_BYTES = 1024 * 1024
 _WRITE_BATCHES = 512
-
-# Past this much unsent on the socket, writes go through nats-py's pending
-# buffer and its flusher, which waits for the socket to drain.
-_WRITE_THROUGH_BACKLOG = 1024 * 1024
 
 # Answers from the stream that it will not store a message, counted per
 # message; at this many the message is given up (four tries after the first
@@ -67,27 +62,24 @@ _RETRYABLE = (
 )
 
 
-def _write_through(nc: NatsClient, data: bytes) -> bool:
-    """`data` straight onto the socket's transport when nothing of nats-py's
-    waits before it and the transport is not backed up: saves the flusher
-    task's turn of the event loop per write. Otherwise False: nats-py's pending
-    buffer (bounded, kept across a reconnect) takes it, in order."""
-    transport = nc._transport  # noqa: SLF001
-    if type(transport) is not TcpTransport or nc._pending_data_size or not nc.is_connected:  # noqa: SLF001
-        return False
-    writer = transport._io_writer  # noqa: SLF001
-    if writer is None or writer.transport.get_write_buffer_size() > _WRITE_THROUGH_BACKLOG:
-        return False
-    writer.write(data)
-    return True
-
-
 def _no_refusal_handler(batch: OutBatch) -> None:
     return None
 
 
 class NatsSink:
-    def __init__(self, settings: Settings, queue: BatchQueue, metrics: Metrics, health: Health) -> None:
+    """`on_refused` names a batch whose message the stream refused for good.
+    `fast_path=False` keeps to nats-py's public API whatever nats-py is installed."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        queue: BatchQueue,
+        metrics: Metrics,
+        health: Health,
+        *,
+        on_refused: Callable[[OutBatch], None] = _no_refusal_handler,
+        fast_path: bool = True,
+    ) -> None:
         self._settings = settings
         self._queue = queue
         self._metrics = metrics
@@ -102,9 +94,14 @@ class NatsSink:
         self._last_seq: dict[int, Any] = {}
         self._closing = False
         metrics.js_in_flight = self.in_flight
-        # Set by the service: names a batch whose message the stream refused for good.
-        self.on_refused: Callable[[OutBatch], None] = _no_refusal_handler
+        self._on_refused = on_refused
+        self._path = select_path(fast_path)
         self._last_refused: OutBatch | None = None
+
+    @property
+    def write_path(self) -> str:
+        """`fast` or `public`: how messages cross nats-py (bridge.sink.nats_fastpath)."""
+        return self._path.name
 
     def in_flight(self) -> tuple[int, int]:
         """JetStream publishes not yet acked: (messages, encoded bytes)."""
@@ -150,7 +147,7 @@ class NatsSink:
                 # Bounded: nats-py 2.16 can wait forever on a failed TLS handshake
                 # (nats-io/nats.py#718); a fresh client on the next attempt recovers.
                 with anyio.fail_after(_CONNECT_ATTEMPT_S):
-                    nc = BridgeClient()
+                    nc = self._path.new_client()
                     await nc.connect(**opts)
                     self.nc = nc
                 break
@@ -162,10 +159,7 @@ class NatsSink:
             self.js = nc.jetstream()
             # Acks for the window's reply subjects; nats-py re-subscribes after a reconnect.
             self._acks = AckWindow(nc.new_inbox())
-            sub = await nc.subscribe(f"{self._acks.inbox}.*")
-            nc.ack_sid = sub._id  # noqa: SLF001
-            nc.ack_prefix = f"MSG {self._acks.inbox}.".encode()
-            nc.on_ack = self._acks.on_ack
+            await self._path.route_acks(nc, self._acks.inbox, self._acks.on_ack)
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
         self._connected.set()
@@ -259,28 +253,21 @@ class NatsSink:
         self._account(batches)
 
     async def _write(self, nc: NatsClient, sent: list[Sent]) -> None:
-        """The messages as one buffer of HPUB frames on the connection; in
-        JetStream mode each registered in the ack window with its reply subject."""
+        """The messages in one write on the connection; in JetStream mode each
+        registered in the ack window with its reply subject."""
         messages = [m for m, _ in sent]
+        replies: list[str] | None = None
         if self._settings.jetstream:
             acks = self._acks
             generation = self._generation
             now = time.monotonic()
             replies = [acks.reply_to(m, generation, now, b) for m, b in sent]
-            data = hpub_frames(messages, replies)
-        else:
-            replies = []
-            data = hpub_frames(messages)
-        if _write_through(nc, data):
-            return
         try:
-            await nc._send_command(data)  # noqa: SLF001
+            await self._path.write(nc, messages, replies)
         except BaseException:
             if replies:
                 self._acks.forget_since(replies[0])
             raise
-        if nc._flush_queue is not None and nc._flush_queue.empty():  # noqa: SLF001 - as nc.publish does
-            await nc._flush_pending()  # noqa: SLF001
 
     async def _resend_overdue(self) -> None:
         """What will not be acked goes again before anything new (the stream
@@ -361,7 +348,7 @@ class NatsSink:
         # One gap per batch, however many of its group messages were refused.
         if origin is not None and origin.seq >= 0 and origin is not self._last_refused:
             self._last_refused = origin
-            self.on_refused(origin)
+            self._on_refused(origin)
 
     def _account(self, batches: list[OutBatch]) -> None:
         metrics = self._metrics
