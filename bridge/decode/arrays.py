@@ -109,7 +109,7 @@ def _rebuilt(event: Any) -> Event:
 
 
 def _retype_works() -> bool:
-    probe = ArrayRelayBlockStored([1], None, EMPTY_RAW_ARRAY, 16)
+    probe: Any = ArrayRelayBlockStored([1], None, EMPTY_RAW_ARRAY, 16)
     want = msgspec.msgpack.encode(_rebuilt(probe))
     try:
         probe.__class__ = RelayBlockStored
