@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from bridge.decode.wire import BlockRemoved, BlockStored, KVEventBatch
-from bridge.embedded.workload import WINDOW, HybridWorkload
+from bridge.testing.workload import WINDOW, HybridWorkload
 
 # `[ts, events]` or `[ts, events, rank]`: a fixarray header, then msgspec's float64 (0xcb + 8 bytes).
 TS_OFFSET = 2

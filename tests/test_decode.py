@@ -2,7 +2,7 @@ import msgspec
 
 from bridge.decode.decoder import BatchDecodeError, BatchDecoder
 from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored
-from bridge.embedded.wire_writer import cleared, encode_batch, removed, stored
+from bridge.testing.wire_writer import cleared, encode_batch, removed, stored
 
 enc = msgspec.msgpack.Encoder().encode
 

@@ -7,10 +7,10 @@ import time
 import pytest
 
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.wire_writer import encode_batch, stored
 from bridge.sink.encode import Outgoing
 from bridge.sink.queue import BatchQueue, LostRange, OutBatch
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.wire_writer import encode_batch, stored
 from tests.busutil import BusCollector, make_settings, running_bridge
 
 

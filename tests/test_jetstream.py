@@ -18,9 +18,9 @@ import pytest
 from bridge.config import Settings
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.workload import HybridWorkload
 from bridge.service import Bridge
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.workload import HybridWorkload
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 
 pytestmark = pytest.mark.anyio

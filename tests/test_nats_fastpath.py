@@ -18,8 +18,6 @@ import structlog
 from bridge.config import Settings
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.workload import HybridWorkload
 from bridge.service import Bridge
 from bridge.sink.nats_fastpath import (
     PINNED_NATS_PY,
@@ -30,6 +28,8 @@ from bridge.sink.nats_fastpath import (
     missing_internals,
     select_path,
 )
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.workload import HybridWorkload
 from tests.busutil import BusCollector, endpoints, make_settings, metric, wait_published
 
 pytestmark = pytest.mark.anyio

@@ -16,9 +16,9 @@ from bridge.client.codec import BusCodec
 from bridge.config import Settings
 from bridge.contract import WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.workload import HybridWorkload
 from bridge.service import Bridge
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.workload import HybridWorkload
 from bridge.tools.render import render_group, render_record
 
 log = structlog.get_logger("bridge.demo")

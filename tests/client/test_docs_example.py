@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.workload import HybridWorkload
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.workload import HybridWorkload
 from tests.busutil import make_settings, running_bridge
 
 pytestmark = pytest.mark.anyio

@@ -9,9 +9,9 @@ import pytest
 
 from bridge.client.index import ResidencyIndex
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.wire_writer import encode_batch
-from bridge.embedded.wire_writer import stored as wire_stored
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.wire_writer import encode_batch
+from bridge.testing.wire_writer import stored as wire_stored
 from tests.busutil import make_settings, running_bridge
 from tests.client.builders import hb, hi
 from tests.client.live import live_index, wait_until

@@ -18,8 +18,6 @@ from nats.js.kv import VALID_KEY_RE
 from bridge.client.index import ResidencyIndex
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.workload import HybridWorkload
 from bridge.registry import (
     GroupInfo,
     RankInfo,
@@ -29,6 +27,8 @@ from bridge.registry import (
     liveness,
     registry_key,
 )
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.workload import HybridWorkload
 from tests.busutil import make_settings, running_bridge
 from tests.client.live import wait_until
 

@@ -17,9 +17,9 @@ from rich.console import Console
 from bridge.cli import main
 from bridge.client.index import ResidencyIndex
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.workload import HybridWorkload
 from bridge.registry import GroupInfo, RankInfo, WorkerEntry, WorkerRegistry, encode_entry, registry_key
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.workload import HybridWorkload
 from bridge.tools.watch import RateMeter, build_table
 from tests.busutil import make_settings, running_bridge
 from tests.client.builders import hb, msg, record, stored

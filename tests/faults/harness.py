@@ -31,7 +31,7 @@ import nats
 import nats.js.api
 
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.embedded.wire_writer import encode_batch, stored
+from bridge.testing.wire_writer import encode_batch, stored
 
 ATTN_GROUP, STATE_GROUP = 0, 2
 GROUPS = (ATTN_GROUP, STATE_GROUP)

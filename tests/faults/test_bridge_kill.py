@@ -11,7 +11,7 @@ import pytest
 
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
+from bridge.testing.publisher import WirePublisher
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 from tests.faults.harness import (
     BridgeProcess,

@@ -12,7 +12,7 @@ import nats.errors
 import pytest
 
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
+from bridge.testing.publisher import WirePublisher
 from tests.busutil import endpoints, make_settings, metric, running_bridge
 from tests.faults.harness import (
     BridgeProcess,

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
+from bridge.testing.publisher import WirePublisher
 from tests.busutil import endpoints, make_settings, metric, running_bridge
 from tests.faults.harness import (
     BridgeProcess,

@@ -9,7 +9,7 @@ import time
 import anyio
 
 from bridge.contract import GroupMessage
-from bridge.embedded.wire_writer import encode_batch, stored
+from bridge.testing.wire_writer import encode_batch, stored
 from tests.busutil import BusCollector
 
 

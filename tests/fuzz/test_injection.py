@@ -17,7 +17,6 @@ from bridge.config import ConfigError
 from bridge.contract import SCHEMA_VERSION, GroupMessage, WorkerRecord
 from bridge.decode.wire import BlockStored
 from bridge.embedded.nats_server import NatsServerProcess
-from bridge.embedded.publisher import WirePublisher
 from bridge.normalize.kinds import clean_kind
 from bridge.normalize.normalizer import (
     KindBook,
@@ -33,6 +32,7 @@ from bridge.sink.subjects import (
     validate_prefix,
     worker_token,
 )
+from bridge.testing.publisher import WirePublisher
 from tests.busutil import BusCollector, endpoints, make_settings, running_bridge
 from tests.fuzz.live import good_batch, wait_good
 

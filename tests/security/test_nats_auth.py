@@ -20,7 +20,7 @@ import pytest
 
 from bridge.access import connect_options
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.embedded.publisher import WirePublisher
+from bridge.testing.publisher import WirePublisher
 from tests.busutil import endpoints, make_settings
 from tests.faults.harness import BridgeProcess, http_get, wait_http
 from tests.fuzz.live import good_batch
