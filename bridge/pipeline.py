@@ -130,7 +130,7 @@ class StreamPipeline:
         return OutBatch(self.plan.index, rec.epoch, -1, rec.ts, [out], self.ident.dp_rank)
 
     def gap_batch(self, lost: LostRange) -> OutBatch:
-        self._metrics.gaps.labels("queue_overflow").inc()
+        self._metrics.gaps_by["queue_overflow"].inc()
         self._metrics.gap_batches.inc(lost.last - lost.first + 1)
         self._log.warning("gap", first=lost.first, last=lost.last, reason="queue_overflow")
         return self.record("gap", gap=(lost.first, lost.last), reason="queue_overflow", epoch=lost.epoch)
@@ -143,7 +143,7 @@ class StreamPipeline:
     def _announce_gap(self, first: int, last: int, reason: str, epoch: int | None = None) -> None:
         if last < first:
             return
-        self._metrics.gaps.labels(reason).inc()
+        self._metrics.gaps_by[reason].inc()
         self._metrics.gap_batches.inc(last - first + 1)
         self._log.warning("gap", first=first, last=last, reason=reason)
         self._queue.put(self.record("gap", gap=(first, last), reason=reason, epoch=epoch))
@@ -360,6 +360,8 @@ class StreamPipeline:
             self._emit(frame)
 
     def _emit(self, frame: Frame) -> None:
+        """One batch in sequence: its messages on the queue, and a gap record
+        after them if what it said did not all come through."""
         metrics = self._metrics
         metrics.batches_in.inc()
         self.tracker.emitted(frame.seq)
@@ -368,10 +370,8 @@ class StreamPipeline:
         except BatchDecodeError as exc:
             metrics.malformed.labels(exc.reason).inc()
             self._log.warning("malformed_batch", seq=frame.seq, reason=exc.reason, detail=exc.detail)
+            self._announce_gap(frame.seq, frame.seq, "malformed")
             return
-        for reason, detail in batch.rejected:
-            metrics.malformed.labels(reason).inc()
-            self._log.warning("malformed_event", seq=frame.seq, reason=reason, detail=detail)
         if batch.dp_rank is not None and batch.dp_rank != self.ident.dp_rank and not self._rank_mismatch_logged:
             self._rank_mismatch_logged = True
             self._log.warning("dp_rank_mismatch", configured=self.ident.dp_rank, batch=batch.dp_rank)
@@ -379,14 +379,16 @@ class StreamPipeline:
         self._last_ts = batch.ts
         stats = self._stats
         items = self._normalizer.normalize(self.ident, frame.seq, batch.ts, batch.events, time.time(), stats)
+        malformed = bool(batch.rejected or stats.malformed)
+        if malformed:
+            self._count_malformed(frame.seq, batch.rejected, stats)
         if stats.dropped:
             for reason, n in stats.dropped.items():
                 metrics.dropped_by[reason].inc(n)
-            stats.dropped.clear()
         if stats.transformed:
             for what, n in stats.transformed.items():
                 metrics.transformed_by[what].inc(n)
-            stats.transformed.clear()
+        stats.clear()
         epoch = self.ident.epoch
         if epoch != self._msg_id_epoch:
             self._msg_id_epoch = epoch
@@ -411,8 +413,26 @@ class StreamPipeline:
             out = self._after_last_stored(out, self._resume_partial[1])
             self._resume_partial = None
         self._queue.put(OutBatch(self.plan.index, epoch, frame.seq, batch.ts, out, self.ident.dp_rank))
-        if unpublishable:
+        # One gap per seq (its Nats-Msg-Id names the range, not the reason):
+        # what the publisher sent wrong comes first.
+        if malformed:
+            self._announce_gap(frame.seq, frame.seq, "malformed")
+        elif unpublishable:
             self._announce_gap(frame.seq, frame.seq, "unpublishable")
+
+    def _count_malformed(self, seq: int, rejected: list[tuple[str, str]], stats: NormalizeStats) -> None:
+        """Events the decoder or the normalizer rejected: counted by reason, and
+        one log line per batch (a hostile frame holds a million of them)."""
+        reasons: dict[str, int] = {}
+        for reason, _ in rejected:
+            reasons[reason] = reasons.get(reason, 0) + 1
+        for reason, n in stats.malformed.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        for reason, n in reasons.items():
+            self._metrics.malformed_by[reason].inc(n)
+        detail = rejected[0][1] if rejected else stats.malformed_detail
+        self._log.warning("malformed_events", seq=seq, rejected=sum(reasons.values()), reasons=reasons,
+                          detail=detail)
 
     def _encode_group(self, msg: GroupMessage, msg_id_base: str, limit: int) -> list[Outgoing] | None:
         """The group's slice as NATS messages: several if it exceeds the
@@ -434,13 +454,16 @@ class StreamPipeline:
                 self._metrics.malformed_by["unencodable"].inc()
                 self._log.warning("unencodable", seq=msg.seq, group=msg.group, error=str(exc2)[:200])
                 return None
-        if len(out.payload) + len(out.head) <= limit:
+        size = out.nbytes
+        if size <= limit:
             return [out]
-        pieces = self._split_events(msg, msg_id_base, limit)
+        # A slice can encode to several times its frame (tiny array events
+        # become full maps): only one encoding of it is held at a time.
+        del out
+        pieces = self._split_events(msg, msg_id_base, limit, size, len(msg.events))
         if pieces is None:
             self._metrics.malformed_by["too_large_for_nats"].inc()
-            self._log.warning("too_large_for_nats", seq=msg.seq, group=msg.group, bytes=len(out.payload),
-                              max_payload=limit)
+            self._log.warning("too_large_for_nats", seq=msg.seq, group=msg.group, bytes=size, max_payload=limit)
             return None
         self._metrics.transformed_by["split"].inc()
         return [
@@ -450,19 +473,30 @@ class StreamPipeline:
             for i, events in enumerate(pieces)
         ]
 
-    def _split_events(self, msg: GroupMessage, msg_id_base: str, limit: int) -> list[list[GroupEvent]] | None:
-        """Halve the event list until every piece fits; None if one event alone does not."""
-        trial = self._encoder.group(msgspec.structs.replace(msg, chunk=1, chunks=2), self.subjects, msg_id_base)
-        if len(trial.payload) + len(trial.head) <= limit:
-            return [msg.events]
-        if len(msg.events) < 2:
+    def _split_events(self, msg: GroupMessage, msg_id_base: str, limit: int, size: int,
+                      chunks: int) -> list[list[GroupEvent]] | None:
+        """The slice's events in order, cut into as many even pieces as its
+        encoded `size` needs to fit `limit` (with room to spare), any piece that
+        still does not fit cut again; None if one event alone does not fit.
+        Pieces are measured with `chunks` (at least their final count) as both
+        chunk numbers, so their final encoding is no larger."""
+        events = msg.events
+        if len(events) < 2:
             return None
-        half = len(msg.events) // 2
-        left = self._split_events(msgspec.structs.replace(msg, events=msg.events[:half]), msg_id_base, limit)
-        right = self._split_events(msgspec.structs.replace(msg, events=msg.events[half:]), msg_id_base, limit)
-        if left is None or right is None:
-            return None
-        return left + right
+        n = min(len(events), max(2, -(-size * 10 // (limit * 9))))
+        step = -(-len(events) // n)
+        pieces: list[list[GroupEvent]] = []
+        for start in range(0, len(events), step):
+            piece = msgspec.structs.replace(msg, events=events[start : start + step], chunk=chunks, chunks=chunks)
+            piece_size = self._encoder.group(piece, self.subjects, msg_id_base).nbytes
+            if piece_size <= limit:
+                pieces.append(piece.events)
+                continue
+            smaller = self._split_events(piece, msg_id_base, limit, piece_size, chunks)
+            if smaller is None:
+                return None
+            pieces.extend(smaller)
+        return pieces
 
     @staticmethod
     def _after_last_stored(out: list[Outgoing], last_id: str) -> list[Outgoing]:

@@ -31,9 +31,8 @@ import structlog
 from nats.js.kv import KeyValue
 
 from bridge import __version__
-from bridge.contract import HDR_FAMILY, HDR_FORMAT, HDR_KIND, HDR_SEQ, GroupMessage
-from bridge.decode.wire import BlockStored
-from bridge.normalize.kinds import UNKNOWN_KIND, WINDOW
+from bridge.contract import HDR_FAMILY, HDR_FORMAT, HDR_KIND, HDR_SEQ
+from bridge.normalize.kinds import MAX_GROUP_ID, UNKNOWN_KIND, WINDOW
 from bridge.sink.encode import decoder_for
 from bridge.sink.queue import BatchQueue, OutBatch
 from bridge.sink.subjects import worker_token
@@ -55,6 +54,25 @@ class GroupInfo(msgspec.Struct, omit_defaults=True):
     family: str
     block_size: int = 0  # tokens per block; 0 until a store names it
     sliding_window: int | None = None  # tokens, window groups only
+
+
+class _StoredSizes(msgspec.Struct, tag="BlockStored", gc=False):
+    """What the catalog reads of a store; its hashes and tokens are skipped
+    unread, so sampling a large message costs no objects per hash."""
+
+    block_size: int = 0
+    kv_cache_spec_sliding_window: int | None = None
+    placeholder: bool = False
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", gc=False):
+    pass
+
+
+class _SizesOnly(msgspec.Struct, gc=False):
+    """A GroupMessage as the catalog reads it."""
+
+    events: list[_StoredSizes | _Removed]
 
 
 class RankInfo(msgspec.Struct, omit_defaults=True):
@@ -175,7 +193,9 @@ class GroupCatalog:
     """What the registry entry says about groups and seqs, learned from the
     batches on their way to NATS. Per batch: its rank, epoch and seq; per
     message a header read until its group is known, and a payload decoded only
-    (and only sometimes) while a group's block size or window is unknown."""
+    (and only sometimes) while a group's block size or window is unknown.
+    Groups are the pipelines' valid ids (0..MAX_GROUP_ID): the tables keyed by
+    them stay bounded whatever a publisher sends."""
 
     def __init__(self) -> None:
         self._groups: dict[int, GroupInfo] = {}
@@ -211,6 +231,8 @@ class GroupCatalog:
 
     def _learn_group(self, subject: str, headers: dict[str, str], payload: bytes) -> None:
         group = int(subject.rpartition(".")[2])
+        if not 0 <= group <= MAX_GROUP_ID:
+            return
         kind = headers.get(HDR_KIND, UNKNOWN_KIND)
         family = headers.get(HDR_FAMILY, "other")
         info = self._groups.get(group)
@@ -228,13 +250,13 @@ class GroupCatalog:
     def _learn_sizes(self, info: GroupInfo, fmt: str, payload: bytes) -> None:
         decoder = self._decoders.get(fmt)
         if decoder is None:
-            decoder = self._decoders[fmt] = decoder_for(fmt, GroupMessage)
+            decoder = self._decoders[fmt] = decoder_for(fmt, _SizesOnly)
         try:
-            msg: GroupMessage = decoder.decode(payload)
+            msg: _SizesOnly = decoder.decode(payload)
         except (msgspec.DecodeError, ValueError):
             return
         for event in msg.events:
-            if type(event) is BlockStored and not event.placeholder:
+            if type(event) is _StoredSizes and not event.placeholder:
                 if event.block_size > 0 and not info.block_size:
                     info.block_size = event.block_size
                 if event.kv_cache_spec_sliding_window and info.sliding_window is None:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import random
 import time
+from collections import Counter
 
 import anyio
 import msgspec
 import pytest
 
+from bridge.contract import GroupMessage
 from bridge.embedded.nats_server import NatsServerProcess
-from bridge.embedded.publisher import WirePublisher
-from bridge.embedded.wire_writer import encode_batch, stored
+from bridge.normalize.normalizer import MAX_MESSAGES_PER_BATCH
+from bridge.testing.publisher import WirePublisher
+from bridge.testing.wire_writer import encode_batch, removed, stored
 from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
 
 pytestmark = pytest.mark.anyio
@@ -166,11 +170,15 @@ async def test_malformed_frames_among_good_traffic(nats_server: NatsServerProces
     finally:
         pub.close()
         await bus.close()
-    # every good batch and the good event inside the damaged batch arrive; nothing is a gap
+    # every good batch and the good event inside the damaged batch arrive
     assert bus.seqs() == [0, 1, 3, 4]
     mixed = [g for g in bus.groups() if g.seq == 3][0]
     assert mixed.events[0].block_hashes == [b"g" * 32]
-    assert bus.records("gap") == []
+    # the batch that could not be decoded and the one that lost events are named;
+    # frames refused before their seq was believed are not batches
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(2, 2, "malformed"), (3, 3, "malformed")]
+    order = [(r.body.type, r.body.gap_from) if r.subject.endswith(".worker") else r.body.seq for r in bus.items]
+    assert order.index(("gap", 2)) < order.index(3) < order.index(("gap", 3)) < order.index(4)
 
 
 async def test_a_lost_tail_is_healed_while_the_publisher_is_quiet(nats_server: NatsServerProcess) -> None:
@@ -190,4 +198,97 @@ async def test_a_lost_tail_is_healed_while_the_publisher_is_quiet(nats_server: N
         pub.close()
         await bus.close()
     assert bus.seqs() == list(range(7))
+    assert bus.records("gap") == []
+
+
+def _damaged(kind: int, seq: int) -> tuple[bytes, bool]:
+    """A numbered batch the publisher got wrong, and whether it still holds a
+    good event (hash `m` + seq, group 0) that must be delivered."""
+    enc = msgspec.msgpack.encode
+    good = stored([b"m" * 24 + seq.to_bytes(8, "big")], None, [1], 16, group_idx=0, kind="full_attention")
+    if kind == 0:
+        return b"\xc1" + seq.to_bytes(8, "big"), False  # not msgpack at all
+    if kind == 1:
+        return encode_batch(time.time(), [good])[:-3], False  # cut short
+    if kind == 2:
+        return enc([time.time(), [good, {"type": "BlockStored", "block_hashes": "not-a-list"}]]), True
+    if kind == 3:
+        return enc([time.time(), [{"type": "BlockPromoted"}, good]]), True
+    if kind == 4:
+        return encode_batch(time.time(), [good, stored([b"x"], None, [], 16, group_idx=5000, kind="mamba")]), True
+    # more groups than a batch may yield messages: the tail is cut off
+    wide = [stored([b"w" * 32], None, [], 16, group_idx=g, kind="full_attention") for g in range(1, 300)]
+    return encode_batch(time.time(), [good, *wide]), True
+
+
+async def test_every_malformed_batch_is_named_by_a_gap(nats_server: NatsServerProcess) -> None:
+    """A hostile run: damaged batches of every kind among good ones. Each
+    damaged batch is named by exactly one `malformed` gap, after whatever good
+    events it carried; every good batch arrives; nothing else is a gap."""
+    rng = random.Random(14)
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep)
+    damaged: dict[int, bool] = {}
+    good: list[int] = []
+    try:
+        async with running_bridge(settings) as bridge:
+            await anyio.sleep(0.3)  # the SUB is connected: nothing is lost to the slow joiner
+            for seq in range(600):
+                if rng.random() < 0.5:
+                    payload, carries = _damaged(rng.randrange(6), seq)
+                    damaged[seq] = carries
+                    pub.publish(payload)
+                else:
+                    good.append(seq)
+                    pub.publish(batch(seq))
+                if seq % 100 == 99:
+                    await anyio.to_thread.run_sync(pub.wait_idle)
+            await bus.wait_for(lambda b: len(b.records("gap")) >= len(damaged) and good[-1] in b.seqs(), timeout=30)
+            await anyio.sleep(0.3)
+            gaps_counted = metric(bridge, "kvbridge_gaps_total", reason="malformed")
+    finally:
+        pub.close()
+        await bus.close()
+    gaps = bus.records("gap")
+    assert sorted(g.gap_from for g in gaps) == sorted(damaged)
+    assert all(g.gap_from == g.gap_to and g.reason == "malformed" for g in gaps)
+    assert gaps_counted == len(damaged)
+    carried = {seq for seq, has_good in damaged.items() if has_good}
+    assert [s for s in bus.seqs() if s not in carried] == good
+    first = {g.seq: g for g in reversed(bus.groups()) if g.seq in carried}
+    assert sorted(first) == sorted(carried)
+    for seq, g in first.items():
+        assert g.group == 0 and g.events[0].block_hashes == [b"m" * 24 + seq.to_bytes(8, "big")]
+    # a batch yields at most MAX_MESSAGES_PER_BATCH messages, whatever it holds
+    per_seq = Counter(g.seq for g in bus.groups())
+    assert max(per_seq.values()) == MAX_MESSAGES_PER_BATCH
+    # a batch's gap follows its good events
+    order = [("gap", r.body.gap_from) if r.subject.endswith(".worker") else ("batch", r.body.seq) for r in bus.items]
+    for seq in carried:
+        assert order.index(("batch", seq)) < order.index(("gap", seq))
+
+
+async def test_a_slice_over_max_payload_arrives_in_chunks_that_fit(nats_server: NatsServerProcess) -> None:
+    """30 000 removals (about 2.5 MB once encoded) against nats-server's 1 MB
+    max_payload: pieces in order, each within the limit, every hash once."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep)
+    hashes = [i.to_bytes(32, "big") for i in range(30_000)]
+    try:
+        async with running_bridge(settings):
+            await anyio.sleep(0.3)
+            pub.publish(encode_batch(time.time(), [removed([h], group_idx=0) for h in hashes]))
+            pub.publish(batch(1))
+            await bus.wait_for(lambda b: 1 in b.seqs())
+    finally:
+        pub.close()
+        await bus.close()
+    at = [i for i, r in enumerate(bus.items) if isinstance(r.body, GroupMessage) and r.body.seq == 0]
+    pieces = [bus.items[i].body for i in at]
+    assert len(pieces) > 2
+    assert [p.chunk for p in pieces] == list(range(len(pieces))) and {p.chunks for p in pieces} == {len(pieces)}
+    assert all(len(bus.raw[i]) <= 1024 * 1024 for i in at)  # nats-server's default max_payload
+    assert [h for p in pieces for ev in p.events for h in ev.block_hashes] == hashes
     assert bus.records("gap") == []

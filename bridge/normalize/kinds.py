@@ -29,6 +29,11 @@ FAMILIES: Final = (ATTENTION, WINDOW, STATE, OTHER)
 LEGACY_KIND: Final = "full_attention"
 UNKNOWN_KIND: Final = "unknown"
 
+# vLLM numbers a worker's kv_cache_groups 0..n-1, and n is a handful. A larger
+# (or negative) id names no real group: it is malformed, so that tables keyed
+# by group (kinds, subjects, the registry's catalog) stay bounded.
+MAX_GROUP_ID: Final = 1023
+
 _SAFE_KIND = re.compile(r"[a-z0-9_]{1,48}")
 
 
@@ -47,6 +52,8 @@ def parse_group_kind(spec: str) -> tuple[int, str]:
     idx_text, sep, kind = spec.partition("=")
     if not sep or not idx_text.strip().isdigit():
         raise ValueError(f"expected IDX=KIND, got {spec!r}")
+    if int(idx_text) > MAX_GROUP_ID:
+        raise ValueError(f"group index {idx_text.strip()} above {MAX_GROUP_ID}")
     kind = kind.strip()
     if kind not in FAMILY_OF_KIND:
         raise ValueError(f"unknown kind {kind!r}; one of {', '.join(sorted(FAMILY_OF_KIND))}")

@@ -7,6 +7,9 @@ comes out to the sink.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
+
+import msgspec
 
 from bridge.contract import (
     SCHEMA_VERSION,
@@ -14,16 +17,37 @@ from bridge.contract import (
     GroupMessage,
     KindSource,
     WorkerRecord,
+    state_checkpoints,
 )
-from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, empty_tokens
+from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from bridge.normalize.kinds import (
+    FAMILY_OF_KIND,
     LEGACY_KIND,
+    MAX_GROUP_ID,
     STATE,
     UNKNOWN_KIND,
     WINDOW,
     clean_kind,
     family_of,
 )
+
+# A real batch yields one slice per group, a few groups, rarely split by a
+# clear. Past this many messages (slices and clear records) the rest of the
+# batch is malformed: a publisher cannot make one frame cost a message per event.
+MAX_MESSAGES_PER_BATCH: Final = 256
+# A vLLM step stores and evicts about max_num_batched_tokens / block_size
+# blocks per group, one event each: this is 32 768 per group of four, 512k
+# tokens a step. Past this many stores and removals the rest of the batch is
+# malformed, so tiny events (a 14-byte array store leaves as a 100-byte map)
+# cannot multiply a frame into hundreds of MiB of messages.
+MAX_EVENTS_PER_BATCH: Final = 1 << 17
+
+# Malformed-event reasons the normalizer finds (the decoder has its own).
+BAD_GROUP: Final = "bad_group"
+TOO_MANY_MESSAGES: Final = "too_many_messages"
+TOO_MANY_EVENTS: Final = "too_many_events"
+
+_NO_TOKENS_RAW: Final = msgspec.Raw(b"\x90")
 
 
 @dataclass(slots=True)
@@ -44,26 +68,57 @@ class Tally(dict[str, int]):
 
 
 class NormalizeStats:
-    """What normalization did to one batch, for the metrics."""
+    """What normalization did to one batch, for the metrics. `malformed`:
+    events rejected (reason → count), `malformed_detail` the first one's why;
+    a batch with any is named by a gap."""
 
-    __slots__ = ("dropped", "transformed")
+    __slots__ = ("dropped", "transformed", "malformed", "malformed_detail")
 
     def __init__(self) -> None:
         self.dropped: Tally = Tally()
         self.transformed: Tally = Tally()
+        self.malformed: Tally = Tally()
+        self.malformed_detail = ""
+
+    def reject(self, reason: str, n: int, detail: str) -> None:
+        if not self.malformed:
+            self.malformed_detail = detail
+        self.malformed[reason] += n
+
+    def clear(self) -> None:
+        self.dropped.clear()
+        self.transformed.clear()
+        self.malformed.clear()
+        self.malformed_detail = ""
 
 
 class KindBook:
     """Kinds per group for one vLLM process: pinned by the operator, else
-    learned from the first store that names one. Forgotten on restart."""
+    learned from the first store that names one. Forgotten on restart.
+
+    Keyed by group id, so bounded by MAX_GROUP_ID: the normalizer rejects
+    other ids before they get here, and `learn` ignores them anyway."""
 
     def __init__(self, pinned: dict[int, str]) -> None:
         self._pinned = dict(pinned)
         self._learned: dict[int, str] = {}
+        # vLLM 0.20-0.21 send group ids but never a kind: seen a store without
+        # one, and never a kind, means such a publisher.
+        self._named = False
+        self._kindless = False
 
     def learn(self, group: int, kind: str) -> None:
-        if group not in self._pinned and group not in self._learned:
+        self._named = True
+        if 0 <= group <= MAX_GROUP_ID and group not in self._pinned and group not in self._learned:
             self._learned[group] = kind
+
+    def saw_kindless_store(self) -> None:
+        self._kindless = True
+
+    @property
+    def kindless_publisher(self) -> bool:
+        """Stores came, none named a kind: group 0 is the legacy full attention."""
+        return self._kindless and not self._named
 
     def resolve(self, group: int, legacy: bool) -> tuple[str, KindSource]:
         pinned = self._pinned.get(group)
@@ -78,6 +133,8 @@ class KindBook:
 
     def forget(self) -> None:
         self._learned.clear()
+        self._named = False
+        self._kindless = False
 
     def known(self) -> dict[int, str]:
         return {**self._learned, **self._pinned}
@@ -87,8 +144,10 @@ class Normalizer:
     def __init__(self, kinds: KindBook, keep_placeholders: bool) -> None:
         self.kinds = kinds
         self._keep_placeholders = keep_placeholders
-        # Raw kinds from the wire are few: clean each once.
-        self._clean: dict[str, str] = {}
+        # vLLM's own kinds, clean already. Any other string from the wire is
+        # cleaned where it appears (once per slice) and never kept here, so a
+        # publisher inventing kinds cannot grow this table.
+        self._clean: dict[str, str] = {kind: kind for kind in FAMILY_OF_KIND}
 
     def normalize(
         self,
@@ -101,16 +160,32 @@ class Normalizer:
     ) -> list[GroupMessage | WorkerRecord]:
         out: list[GroupMessage | WorkerRecord] = []
         # Per group (None counts as 0), in first-seen order: the events, and the
-        # kind the slice's first store names. Only group 0 can be legacy (no
-        # group, no kind on any of its events).
+        # kind the slice's first store names. Only group 0 can be legacy.
         slices: dict[int, list[GroupEvent]] = {}
         explicit: dict[int, str] = {}
         group0_named = False
         part = 0
+        if len(events) > MAX_EVENTS_PER_BATCH:
+            events = self._cut(events, stats)
+        # Messages (slices and clear records) this batch may still yield.
+        budget = MAX_MESSAGES_PER_BATCH
+        # Nothing stored or removed since the last clear: another clear says it again.
+        after_clear = False
+        kindless = False
         removed = BlockRemoved
-        for event in events:
+        clean = self._clean
+        kinds = self.kinds
+        for i, event in enumerate(events):
             cls = type(event)
             if cls is AllBlocksCleared:
+                if after_clear:
+                    stats.dropped["repeated_clear"] += 1
+                    continue
+                if budget == 0:
+                    stats.reject(TOO_MANY_MESSAGES, len(events) - i, f"over {MAX_MESSAGES_PER_BATCH} messages")
+                    break
+                budget -= 1
+                after_clear = True
                 self._flush(ident, seq, ts, bridge_ts, part, slices, explicit, group0_named, stats, out)
                 slices = {}
                 explicit = {}
@@ -130,19 +205,44 @@ class Normalizer:
                 group0_named = True
             bucket = slices.get(key)
             if bucket is None:
+                if key < 0 or key > MAX_GROUP_ID:
+                    stats.reject(BAD_GROUP, 1, f"group_idx {key} outside 0..{MAX_GROUP_ID}")
+                    continue
+                if budget == 0:
+                    stats.reject(TOO_MANY_MESSAGES, len(events) - i, f"over {MAX_MESSAGES_PER_BATCH} messages")
+                    break
+                budget -= 1
                 bucket = slices[key] = []
+            after_clear = False
             bucket.append(event)  # type: ignore[arg-type]
             if cls is not removed and key not in explicit:
                 raw = event.kv_cache_spec_kind  # type: ignore[union-attr]
                 if raw is not None:
-                    kind = self._clean.get(raw)
+                    kind = clean.get(raw)
                     if kind is None:
-                        kind = self._clean[raw] = clean_kind(raw)
+                        kind = clean_kind(raw)
                     explicit[key] = kind
-                    self.kinds.learn(key, kind)
+                    kinds.learn(key, kind)
+                elif not kindless:
+                    kindless = True
+                    kinds.saw_kindless_store()
         if slices:
             self._flush(ident, seq, ts, bridge_ts, part, slices, explicit, group0_named, stats, out)
         return out
+
+    @staticmethod
+    def _cut(events: list[Event], stats: NormalizeStats) -> list[Event]:
+        """The batch up to its MAX_EVENTS_PER_BATCH-th store or removal; the
+        rest is rejected. Clears take no room: repeated, they say nothing new."""
+        room = MAX_EVENTS_PER_BATCH
+        cleared = AllBlocksCleared
+        for i, event in enumerate(events):
+            if type(event) is not cleared:
+                if room == 0:
+                    stats.reject(TOO_MANY_EVENTS, len(events) - i, f"over {MAX_EVENTS_PER_BATCH} stores and removals")
+                    return events[:i]
+                room -= 1
+        return events
 
     def _flush(
         self,
@@ -159,7 +259,10 @@ class Normalizer:
     ) -> None:
         for group, events in slices.items():
             named = explicit.get(group)
-            legacy = group == 0 and not group0_named and named is None
+            # Group 0 with no kind is the legacy full attention: events with no
+            # group at all (before vLLM 0.20), or a publisher that names groups
+            # but never kinds (0.20-0.21).
+            legacy = group == 0 and named is None and (not group0_named or self.kinds.kindless_publisher)
             kind, source = self.kinds.resolve(group, legacy)
             if source == "learned" and named == kind:
                 source = "event"
@@ -183,26 +286,31 @@ class Normalizer:
 
     @staticmethod
     def _reduce_state(events: list[GroupEvent], stats: NormalizeStats) -> list[GroupEvent]:
-        """A recurrent checkpoint is valid only at its one hash: a multi-hash
-        store (an older or unpatched publisher) becomes its last hash, with the
-        hash before it as parent, whatever else it said."""
+        """A recurrent checkpoint is valid only at its hash (docs/contract.md, `state`).
+        In the GPU tier vLLM lists only blocks that hold state, so every hash is
+        a checkpoint. An offload tier holds one state per chunk: a multi-hash
+        store there (an older or unpatched publisher) becomes its last hash,
+        with the hash before it as parent. A store with no hash names no
+        position. Token ids never align with the hashes: they go."""
         result: list[GroupEvent] = []
+        raw = msgspec.Raw
         for event in events:
-            if isinstance(event, BlockStored) and len(event.block_hashes) > 1:
+            if isinstance(event, BlockStored):
                 hashes = event.block_hashes
-                cls = type(event)
-                result.append(
-                    cls(
-                        block_hashes=[hashes[-1]], parent_block_hash=hashes[-2], token_ids=empty_tokens(cls),  # type: ignore[arg-type]  # Raw for a relayed store
-                        block_size=event.block_size, lora_id=event.lora_id, medium=event.medium,
-                        lora_name=event.lora_name, group_idx=event.group_idx,
-                        kv_cache_spec_kind=event.kv_cache_spec_kind, locality=event.locality,
-                        ownership=event.ownership, session_id=event.session_id,
-                    )
-                )
-                stats.transformed["state_reduced"] += 1
-            else:
-                result.append(event)
+                if not hashes:
+                    stats.dropped["state_no_hash"] += 1
+                    continue
+                if len(hashes) > 1:
+                    checkpoints = state_checkpoints(event.medium, hashes)
+                    if len(checkpoints) < len(hashes):
+                        event.block_hashes = checkpoints
+                        event.parent_block_hash = hashes[-len(checkpoints) - 1]
+                        stats.transformed["state_reduced"] += 1
+                # the store is this batch's own: changed in place, like placeholders
+                event.token_ids = _NO_TOKENS_RAW if event.token_ids.__class__ is raw else []
+                if event.lookahead_token_ids is not None:
+                    event.lookahead_token_ids = None
+            result.append(event)
         return result
 
     def _handle_placeholders(self, events: list[GroupEvent], stats: NormalizeStats) -> list[GroupEvent]:

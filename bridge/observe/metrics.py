@@ -21,9 +21,18 @@ from bridge.normalize.kinds import FAMILIES
 
 MALFORMED_REASONS = (
     "frame_count", "bad_seq", "too_large", "bad_topic", "bad_batch", "bad_event", "unknown_event_type",
-    "unencodable", "too_large_for_nats",
+    "unencodable", "too_large_for_nats", "bad_group", "too_many_messages", "too_many_events",
 )
-DROPPED_REASONS = ("window_placeholder", "duplicate", "queue_overflow", "foreign_topic")
+DROPPED_REASONS = (
+    "window_placeholder", "duplicate", "queue_overflow", "foreign_topic", "state_no_hash", "repeated_clear",
+)
+# Why a gap record names a range: lost on the way (replay_incomplete,
+# replay_timeout, no_replay_endpoint, queue_overflow), not publishable
+# (unpublishable, refused), or received but not wholly decodable (malformed).
+GAP_REASONS = (
+    "replay_incomplete", "replay_timeout", "no_replay_endpoint", "queue_overflow", "unpublishable", "refused",
+    "malformed",
+)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -165,7 +174,10 @@ class Metrics:
             "kvbridge_malformed_total", "Frames, batches or events rejected as malformed, by reason.", ["reason"],
             registry=r,
         )
-        self.gaps = Counter("kvbridge_gaps_total", "Gap records published (lost ranges).", ["reason"], registry=r)
+        self.gaps = Counter(
+            "kvbridge_gaps_total", f"Gap records published (lost or incomplete ranges), by reason: {', '.join(GAP_REASONS)}.",
+            ["reason"], registry=r,
+        )
         self.gap_batches = Counter("kvbridge_gap_batches_total", "vLLM batches announced lost.", registry=r)
         self.replays = Counter(
             "kvbridge_replays_total", "Replay requests, by result (complete, timeout, probe: an idle-time check).",
@@ -189,6 +201,7 @@ class Metrics:
         # Bound up front, so every reason shows (as 0) before it first happens;
         # other values are bound on first use.
         self.malformed_by = Children(self.malformed, MALFORMED_REASONS)
+        self.gaps_by = Children(self.gaps, GAP_REASONS)
         # The hot path's own, exported by _HotCollector under the same names.
         self.batches_in = Count()
         self.events_in = Count()

@@ -14,6 +14,7 @@ import re
 from typing import Final
 
 from bridge.contract import WORKER_TOKEN
+from bridge.normalize.kinds import MAX_GROUP_ID
 
 _PLAIN: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _DP_SUFFIX: Final = re.compile(r"-dp[0-9]+$")
@@ -79,7 +80,9 @@ def validate_prefix(prefix: str) -> str:
 
 
 class SubjectBook:
-    """Subjects for one (worker, rank), built once: they are on the hot path."""
+    """Subjects for one (worker, rank), built once: they are on the hot path.
+    Only valid group ids (0..MAX_GROUP_ID) are kept, so the book stays bounded
+    whatever ids reach it; others are built each time."""
 
     def __init__(self, prefix: str, worker_id: str, dp_rank: int) -> None:
         self.base = f"{prefix}.{worker_token(worker_id, dp_rank)}"
@@ -89,5 +92,7 @@ class SubjectBook:
     def group(self, group: int) -> str:
         subject = self._groups.get(group)
         if subject is None:
-            subject = self._groups[group] = f"{self.base}.{group}"
+            subject = f"{self.base}.{group}"
+            if 0 <= group <= MAX_GROUP_ID:
+                self._groups[group] = subject
         return subject

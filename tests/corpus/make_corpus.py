@@ -9,7 +9,10 @@ must do with it (tests/fuzz/test_corpus.py replays every entry).
   `#` starts a comment).
   Sent raw, unnumbered; the frame checks must refuse each one.
 - `payloads/*.bin`: one raw payload frame. Sent as a numbered batch (topic, a
-  valid seq, this payload): the decoder must refuse it or keep its good events.
+  valid seq, this payload): the decoder must refuse it or keep its good events,
+  and the normalizer refuse events that name no real group or exceed a batch's
+  bound (`bad_group`, `too_many_messages`). A numbered batch with any refusal
+  is named by a `malformed` gap.
 """
 
 from __future__ import annotations
@@ -86,9 +89,15 @@ PAYLOADS: dict[str, tuple[str, bytes, dict[str, int], int, str]] = {
     "unknown_keys_and_fields": ("unknown event keys, extra batch elements: a newer vLLM",
                                 enc([1.0, [{**GOOD, "brand_new": {"a": [1, {"b": None}]}, "x": b"\x00"}], 0,
                                      "extra", {"more": 1}]), {}, 1, ""),
-    "extreme_ints": ("int hashes at the int64/uint64 limits, huge block_size and group_idx",
+    "extreme_ints": ("int hashes at the int64/uint64 limits, huge block_size, the largest group_idx",
                      enc([1.0, [{**GOOD, "block_hashes": [2**64 - 1, -(2**63), 0], "parent_block_hash": 2**63,
-                                 "block_size": 2**64 - 1, "group_idx": 2**32}]]), {}, 1, ""),
+                                 "block_size": 2**64 - 1, "group_idx": 1023}]]), {}, 1, ""),
+    # the normalizer's refusals: the events decode, then name no real group or exceed the batch's bound
+    "group_out_of_range": ("group_idx 2**32 and -1 beside a good event",
+                           enc([1.0, [{**GOOD, "group_idx": 2**32}, GOOD, {**GOOD, "group_idx": -1}]]),
+                           {"bad_group": 2}, 1, ""),
+    "too_many_groups": ("300 stores, each in its own group: one message per group past the batch's bound",
+                        enc([1.0, [{**GOOD, "group_idx": g} for g in range(300)]]), {"too_many_messages": 44}, 256, ""),
     "hostile_kind": ("a kind with CR/LF, dots and wildcards (becomes `unknown`)",
                      enc([1.0, [{**GOOD, "kv_cache_spec_kind": "mamba\r\nKvb-Kind: x.*.>"}]]), {}, 1, ""),
     "many_events": ("1 500 tiny events in one batch",

@@ -57,6 +57,8 @@ kinds = st.one_of(
     st.text(max_size=60),  # anything: the bridge must make it safe
 )
 opt_int = st.one_of(st.none(), st.integers(I64_MIN, U64_MAX))
+# mostly real group ids (so slices form and kinds are learned), sometimes absurd ones
+group_ids = st.one_of(st.none(), st.integers(0, 4), st.integers(I64_MIN, U64_MAX))
 opt_text = st.one_of(st.none(), st.text(max_size=20))
 
 STORED_FIELDS = {
@@ -81,7 +83,7 @@ def good_stored(draw: st.DrawFn, extra: st.SearchStrategy[Any] = any_junk) -> di
     }
     optional = {
         "extra_keys": st.one_of(st.none(), st.lists(extra, max_size=3)),
-        "group_idx": opt_int,
+        "group_idx": group_ids,
         "kv_cache_spec_kind": st.one_of(st.none(), kinds),
         "kv_cache_spec_sliding_window": opt_int,
         "locality": st.one_of(st.none(), st.sampled_from(["LOCAL", "REMOTE"]), st.text(max_size=8)),
@@ -102,7 +104,7 @@ def good_removed(draw: st.DrawFn, extra: st.SearchStrategy[Any] = any_junk) -> d
         "medium": draw(opt_text),
     }
     if draw(st.booleans()):
-        ev["group_idx"] = draw(opt_int)
+        ev["group_idx"] = draw(group_ids)
     return _with_unknown_keys(draw, ev, REMOVED_FIELDS, extra)
 
 
@@ -153,7 +155,13 @@ def bad_event(draw: st.DrawFn) -> tuple[Any, str]:
         return {"block_hashes": draw(st.lists(hashes, max_size=2))}, "bad_event"
     if choice == "tag_not_str":
         return {"type": draw(st.one_of(ints, st.none(), st.binary(max_size=4))), "block_hashes": []}, "bad_event"
-    return draw(st.one_of(scalars, st.lists(scalars, max_size=3))), "bad_event"
+    # an array is an event of vLLM 0.9-0.23 (`[tag, field, ...]`): one whose
+    # tag is a string no release uses is an unknown type
+    known = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+    value = draw(st.one_of(scalars, st.lists(scalars, max_size=3).filter(lambda v: not v or v[0] not in known)))
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return value, "unknown_event_type"
+    return value, "bad_event"
 
 
 @st.composite

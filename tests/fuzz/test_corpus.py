@@ -17,8 +17,10 @@ import pytest
 from bridge.contract import GroupMessage
 from bridge.decode.decoder import BatchDecodeError, BatchDecoder
 from bridge.embedded.nats_server import NatsServerProcess
-from bridge.embedded.publisher import WirePublisher
 from bridge.normalize.normalizer import (
+    BAD_GROUP,
+    TOO_MANY_EVENTS,
+    TOO_MANY_MESSAGES,
     KindBook,
     Normalizer,
     NormalizeStats,
@@ -27,6 +29,7 @@ from bridge.normalize.normalizer import (
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.subjects import SubjectBook
 from bridge.source.frames import FrameError, parse_pub
+from bridge.testing.publisher import WirePublisher
 from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
 from tests.corpus.make_corpus import MAX_FRAME, read_frames
 from tests.fuzz.live import good_batch, wait_good
@@ -34,6 +37,8 @@ from tests.fuzz.live import good_batch, wait_good
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 MANIFEST: dict[str, dict[str, Any]] = json.loads((CORPUS / "manifest.json").read_text())
 _SAFE_HEADER = re.compile(r"^[\x21-\x7e]*$")
+# refused after decoding: such events count in events_in, then are rejected
+NORMALIZER_REASONS = {BAD_GROUP, TOO_MANY_MESSAGES, TOO_MANY_EVENTS}
 
 
 def _entries() -> list[Any]:
@@ -63,10 +68,12 @@ def test_corpus_entry_offline(name: str, entry: dict[str, Any]) -> None:
             BatchDecoder().decode(payload)
         return
     batch = BatchDecoder().decode(payload)
-    assert len(batch.events) == entry["good_events"]
-    assert Counter(r for r, _ in batch.rejected) == Counter(entry["malformed"])
+    stats = NormalizeStats()
     items = Normalizer(KindBook({}), False).normalize(
-        StreamIdentity("corpus", 0, "", 1), 7, batch.ts, batch.events, time.time(), NormalizeStats())
+        StreamIdentity("corpus", 0, "", 1), 7, batch.ts, batch.events, time.time(), stats)
+    # the decoder's refusals and the normalizer's, each counted once
+    assert Counter(r for r, _ in batch.rejected) + Counter(stats.malformed) == Counter(entry["malformed"])
+    assert len(batch.events) - sum(stats.malformed.values()) == entry["good_events"]
     if name == "payloads/hostile_kind.bin":
         assert [i.kind for i in items if isinstance(i, GroupMessage)] == ["unknown"]
     for fmt in ("msgpack",) if entry.get("json_unwritable") else ("msgpack", "json"):
@@ -81,29 +88,37 @@ def test_corpus_entry_offline(name: str, entry: dict[str, Any]) -> None:
 @pytest.mark.anyio
 async def test_corpus_through_a_live_bridge(nats_server: NatsServerProcess) -> None:
     """Every entry without a known bug, each between two good batches: the
-    counters add up to the manifest, every good batch arrives, no gap."""
+    counters add up to the manifest, every good batch arrives, and exactly the
+    numbered batches with a refusal are named by a `malformed` gap."""
     pub_ep, replay_ep = endpoints()
     pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
     settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
                              max_frame_bytes=str(MAX_FRAME))
     bus = await BusCollector().start(nats_server.url)
     expected: Counter[str] = Counter()
-    good_events = 0
+    decoded = 0
+    malformed_seqs: list[int] = []
+    seq = 0
     entries = [(n, e) for n, e in sorted(MANIFEST.items()) if "known_bug" not in e]
     try:
         async with running_bridge(settings) as bridge:
             await anyio.sleep(0.3)
             for k, (name, entry) in enumerate(entries):
                 pub.publish(good_batch(k))
+                seq += 1
                 if name.startswith("frames/"):
                     pub.send_raw(read_frames(CORPUS / name))
                 else:
                     pub.publish((CORPUS / name).read_bytes())
+                    if entry["malformed"]:
+                        malformed_seqs.append(seq)
+                    seq += 1
                 expected.update(entry["malformed"])
-                good_events += entry["good_events"]
+                decoded += entry["good_events"] + sum(n for r, n in entry["malformed"].items() if r in NORMALIZER_REASONS)
             pub.publish(good_batch(len(entries)))
             await anyio.to_thread.run_sync(pub.wait_idle)
             await wait_good(bus, list(range(len(entries) + 1)), timeout=15)
+            await bus.wait_for(lambda b: len(b.records("gap")) >= len(malformed_seqs))
             await anyio.sleep(0.3)
             got = {r: metric(bridge, "kvbridge_malformed_total", reason=r) for r in expected}
             events_in = metric(bridge, "kvbridge_events_in_total")
@@ -112,7 +127,9 @@ async def test_corpus_through_a_live_bridge(nats_server: NatsServerProcess) -> N
         pub.close()
         await bus.close()
     assert got == {r: float(n) for r, n in expected.items()}
-    assert events_in == 2 * (len(entries) + 1) + good_events
-    assert bus.records("gap") == [] and bus.records("restart") == []
+    assert events_in == 2 * (len(entries) + 1) + decoded
+    gaps = bus.records("gap")
+    assert [(g.gap_from, g.gap_to, g.reason) for g in gaps] == [(s, s, "malformed") for s in malformed_seqs]
+    assert bus.records("restart") == []
     for r in bus.items:
         assert all(_SAFE_HEADER.match(v) for v in r.headers.values()), r.headers

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.decode.decoder import BatchDecodeError, BatchDecoder, DecodedBatch
 from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored
-from bridge.normalize.kinds import FAMILY_OF_KIND
+from bridge.normalize.kinds import FAMILY_OF_KIND, MAX_GROUP_ID
 from bridge.normalize.normalizer import (
+    MAX_MESSAGES_PER_BATCH,
     KindBook,
     Normalizer,
     NormalizeStats,
@@ -110,10 +111,20 @@ def _run_normalizer_and_encoders(payload: bytes, formats: tuple[str, ...], pinne
     ident = StreamIdentity(worker="pod.a b*>\u00e9", dp_rank=1, topic="t", epoch=1)
     stats = NormalizeStats()
     items = normalizer.normalize(ident, 7, batch.ts, batch.events, time.time(), stats)
-    # every event is accounted for: published, or dropped on purpose and counted
+    # every event is accounted for: published, dropped on purpose or rejected, and counted
     published = sum(len(i.events) for i in items if isinstance(i, GroupMessage))
-    clears = sum(1 for e in batch.events if isinstance(e, AllBlocksCleared))
-    assert published + stats.dropped["window_placeholder"] + clears == len(batch.events)
+    records = sum(1 for i in items if isinstance(i, WorkerRecord))
+    dropped = stats.dropped["window_placeholder"] + stats.dropped["state_no_hash"]
+    assert published + dropped + records + stats.dropped["repeated_clear"] + sum(stats.malformed.values()) \
+        == len(batch.events)
+    assert len(items) <= MAX_MESSAGES_PER_BATCH
+    for item in items:
+        if isinstance(item, GroupMessage):
+            assert 0 <= item.group <= MAX_GROUP_ID
+            if item.family == "state":
+                # a state event names its checkpoint and carries no tokens
+                assert all(e.block_hashes and not e.token_ids and e.lookahead_token_ids is None
+                           for e in item.events if isinstance(e, BlockStored))
     subjects = SubjectBook("kv.prod", ident.worker, ident.dp_rank)
     for fmt in formats:
         encoder = MessageEncoder(fmt)

@@ -13,8 +13,10 @@ import anyio
 import msgspec
 import pytest
 
+from bridge.decode.decoder import BatchDecodeError, BatchDecoder
 from bridge.embedded.nats_server import NatsServerProcess
-from bridge.embedded.publisher import WirePublisher
+from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+from bridge.testing.publisher import WirePublisher
 from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
 from tests.fuzz.live import good_arrivals, good_batch, template_batch, wait_good
 
@@ -74,6 +76,17 @@ def _payload_junk(rng: random.Random, j: int) -> bytes:
     return base[:cut] + other[cut:]
 
 
+def _malformed(payload: bytes) -> bool:
+    """Whether the bridge (msgpack output) refuses the batch or any event of it."""
+    try:
+        batch = BatchDecoder(relay=True).decode(payload)
+    except BatchDecodeError:
+        return True
+    stats = NormalizeStats()
+    Normalizer(KindBook({}), False).normalize(StreamIdentity("w", 0, "", 1), 0, batch.ts, batch.events, 0.0, stats)
+    return bool(batch.rejected or stats.malformed)
+
+
 async def test_hostile_frames_among_good_batches(nats_server: NatsServerProcess) -> None:
     rng = random.Random(SEED)
     print(f"\nlive fuzz seed: KVB_FUZZ_SEED={SEED}")
@@ -85,6 +98,7 @@ async def test_hostile_frames_among_good_batches(nats_server: NatsServerProcess)
     raw_sent: dict[str, int] = {}
     numbered_junk = 0
     seq_of_good: dict[int, int] = {}
+    malformed_seqs: set[int] = set()
     seq = 0
     try:
         async with running_bridge(settings) as bridge:
@@ -96,8 +110,11 @@ async def test_hostile_frames_among_good_batches(nats_server: NatsServerProcess)
                         raw_sent[reason] = raw_sent.get(reason, 0) + 1
                         pub.send_raw(frames)
                     else:
-                        pub.publish(_payload_junk(rng, k))
+                        junk = _payload_junk(rng, k)
+                        pub.publish(junk)
                         numbered_junk += 1
+                        if _malformed(junk):
+                            malformed_seqs.add(seq)
                         seq += 1
                 pub.publish(good_batch(k))
                 seq_of_good[k] = seq
@@ -107,6 +124,7 @@ async def test_hostile_frames_among_good_batches(nats_server: NatsServerProcess)
             await anyio.to_thread.run_sync(pub.wait_idle)
             # no stall: the last good batch arrives soon after the junk
             elapsed = await wait_good(bus, list(range(ROUNDS)), timeout=15)
+            await bus.wait_for(lambda b: len(b.records("gap")) >= len(malformed_seqs))
             counts = {r: metric(bridge, "kvbridge_malformed_total", reason=r)
                       for r in ("frame_count", "bad_seq", "too_large", "bad_topic", "bad_batch", "bad_event",
                                 "unknown_event_type")}
@@ -124,8 +142,12 @@ async def test_hostile_frames_among_good_batches(nats_server: NatsServerProcess)
         msgs = arrivals[k]
         assert sorted(g.group for g in msgs) == [0, 2], f"good batch {k} arrived {len(msgs)} times"
         assert {g.seq for g in msgs} == {seq_of_good[k]}
-    # junk in sequence is a malformed batch, not a loss: no gap, no restart
-    assert bus.records("gap") == [] and bus.records("restart") == []
+    # junk in sequence is a malformed batch, not a loss: each one the bridge
+    # could not wholly take is named by its own gap, and nothing else; no restart
+    gaps = bus.records("gap")
+    assert all(g.reason == "malformed" and g.gap_from == g.gap_to for g in gaps)
+    assert sorted(g.gap_from for g in gaps) == sorted(malformed_seqs)
+    assert bus.records("restart") == []
     assert len({g.epoch for g in bus.groups()}) == 1
 
 
