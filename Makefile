@@ -3,8 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RELEASES := $(VENV)/releases
+RELEASES_STAMP := $(RELEASES)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test venv vllm-releases clean bench
 
 $(STAMP): requirements/ci.txt requirements/vllm.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,10 +18,22 @@ $(STAMP): requirements/ci.txt requirements/vllm.txt pyproject.toml
 
 venv: $(STAMP)
 
+# One folder per vLLM release the plugin tests run against (see the file's header).
+$(RELEASES_STAMP): requirements/vllm-releases.txt | $(STAMP)
+	rm -rf $(RELEASES)
+	set -e; for pin in $$(grep -E '^vllm==' requirements/vllm-releases.txt); do \
+	  dir=$(RELEASES)/$${pin#vllm==}; \
+	  $(BIN)/python -m pip install -q --no-deps --no-compile --target $$dir $$pin; \
+	  find $$dir -name '*.so' -delete; \
+	done
+	touch $(RELEASES_STAMP)
+
+vllm-releases: $(RELEASES_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kv-bridge demo
 
-test: $(STAMP)
+test: $(STAMP) $(RELEASES_STAMP)
 	bash scripts/test.sh
 
 bench: $(STAMP)

@@ -18,6 +18,7 @@ from .log import get_logger
 KILL_SWITCH_ENV = "KVB_PLUGIN_DISABLE"
 
 _unsupported_warned = False
+_stood_down = False
 
 
 def _disabled() -> bool:
@@ -37,6 +38,20 @@ def _warn_unsupported(reason: str) -> None:
     )
 
 
+def _stand_down(version: str, how: str) -> None:
+    # Once per process, like the warning: register() may run more than once.
+    global _stood_down
+    if _stood_down:
+        return
+    _stood_down = True
+    get_logger().info(
+        "kv-bridge plugin: vLLM %s describes Mamba offload events itself (%s); "
+        "standing down, vLLM left untouched",
+        version,
+        how,
+    )
+
+
 def register() -> None:
     """Patch vLLM's offloading event tracker once; never raise."""
     try:
@@ -50,6 +65,14 @@ def _register() -> None:
     logger = get_logger()
     if _disabled():
         logger.info("kv-bridge plugin: disabled by %s, vLLM left untouched", KILL_SWITCH_ENV)
+        return
+    if patch.is_patched():
+        logger.debug("kv-bridge plugin: already patched in this process")
+        return
+
+    native = compat.native_support()
+    if native is not None:
+        _stand_down(compat.vllm_version(), native)
         return
 
     try:
@@ -65,7 +88,7 @@ def _register() -> None:
             "kind 'mamba'; attention and sliding-window events unchanged",
             layout.vllm_version,
             layout.tracker_cls.__name__,
-            ",".join(patch.PATCHED_METHODS),
+            ",".join(layout.methods),
             os.getpid(),
         )
     else:

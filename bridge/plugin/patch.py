@@ -1,12 +1,15 @@
 """Wrap the offloading tracker's record_* methods for Mamba groups.
 
-Only the four record_* methods are wrapped. For a Mamba group they store a
-metadata snapshot in the tracker's own table, in the shape the tracker uses
-for full attention, describing the single checkpoint hash (see
-`checkpoint.py`). The unpatched `take_events` then emits it and fans its
-removals out exactly as it does for attention, and the unpatched `reset`
-forgets it. Every other group goes straight to the original method, so
-full-attention and sliding-window paths run vLLM's own code.
+For a Mamba group the wrapper asks vLLM's own method to record the chunk as
+it records a full-attention chunk of the same geometry (it hands over a copy
+of the group config with the window cleared, the one thing that makes vLLM
+skip the group), then cuts the payload vLLM stored down to the chunk's one
+checkpoint hash (see `checkpoint.py`). Everything else about the entry
+(residencies, LoRA, medium handling, when it is forgotten) is then exactly
+what that vLLM release does for attention, so a Mamba chunk's lifecycle
+mirrors its attention chunk's on every release. The unpatched `take_events`
+emits it and fans its removals out, and the unpatched `reset` forgets it.
+Every other group goes straight to the original method.
 
 The originals are kept on the class under a marker attribute: the marker makes
 a second application a no-op, and `unpatch` puts them back.
@@ -23,10 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import compat
-from .checkpoint import Checkpoint, GeometryError, chunk_checkpoint, tail_checkpoint
+from .checkpoint import GeometryError, checkpoint_of
 from .log import get_logger
 
-MARKER = "_kv_bridge_mamba_events"
+MARKER = compat.PATCH_MARKER
+
+# Every method the patch can wrap; a release wraps those it has (Layout.methods).
+PATCHABLE_METHODS: tuple[str, ...] = (*compat.REQUIRED_METHODS, *compat.OPTIONAL_METHODS)
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,8 @@ def _warn_fallback(reason: str) -> None:
 
 def _is_mamba_group(layout: compat.Layout, group_config: Any) -> bool:
     # By spec type, not by window: every windowed group, Mamba included, has
-    # sliding_window_size_in_chunks set, so the window says nothing.
+    # sliding_window_size_in_chunks set, so the window says nothing. Releases
+    # whose group config carries no spec classify it in kv_event_group_spec.
     spec = getattr(group_config, "kv_cache_spec", None)
     if spec is None:
         kind = getattr(
@@ -75,172 +82,84 @@ def _handles(layout: compat.Layout, tracker: Any, group_config: Any) -> bool:
     )
 
 
-def _describe(
+def _as_attention(group_config: Any) -> Any:
+    # vLLM's record_* skip any group with a window, and a Mamba group has a
+    # window of one chunk; without it they build the attention payload.
+    return group_config._replace(sliding_window_size_in_chunks=None)
+
+
+def _cut_to_checkpoint(layout: compat.Layout, meta: Any, offload_key: bytes) -> None:
+    """Reduce vLLM's attention-shaped payload, in place, to the chunk's checkpoint."""
+    if meta is None:
+        raise GeometryError("vLLM recorded no payload for the chunk")
+    checkpoint = checkpoint_of(tuple(meta.block_hashes), meta.parent_block_hash)
+    if checkpoint.block_hash != layout.get_offload_block_hash(offload_key):
+        # Removals fan out to the payload's hash; it must be the key's own or
+        # a consumer would see a store and a removal that never pair.
+        raise GeometryError("the payload does not end at the offload key's hash")
+    meta.block_hashes = (checkpoint.block_hash,)
+    meta.parent_block_hash = checkpoint.parent_block_hash
+    meta.token_ids = ()
+
+
+def _restore(pending: dict[Any, Any], offload_key: bytes, before: Any) -> None:
+    if before is None:
+        pending.pop(offload_key, None)
+    else:
+        pending[offload_key] = before
+
+
+def _record_checkpoint(
     layout: compat.Layout,
-    locate: Callable[[], Checkpoint],
-    req: Any,
-    group_config: Any,
-    offload_key: bytes,
-) -> Any | None:
-    """Build the tracker's metadata for one checkpoint, or None to fall back."""
-    try:
-        checkpoint = locate()
-        if layout.get_offload_block_hash(offload_key) != checkpoint.block_hash:
-            # Removals fan out to the metadata's hash; it must be the key's own
-            # or a consumer would see a store and a removal that never pair.
-            raise GeometryError("offload key does not end at the checkpoint hash")
-        lora = getattr(req, "lora_request", None)
-        return layout.metadata_cls(
-            block_hashes=(checkpoint.block_hash,),
-            parent_block_hash=checkpoint.parent_block_hash,
-            token_ids=(),
-            block_size=checkpoint.block_size,
-            lora_id=lora.adapter_id if lora is not None else None,
-            lora_name=lora.name if lora is not None else None,
-            extra_keys=None,
-            group_idx=group_config.group_idx,
-            kv_cache_spec=layout.group_spec_cls(
-                kv_cache_spec_kind=layout.mamba_kind,
-                kv_cache_spec_sliding_window=None,
-            ),
-            active_residencies={layout.primary_residency},
-        )
-    except Exception as exc:  # never let event bookkeeping break scheduling
-        _warn_fallback(repr(exc))
-        return None
-
-
-def _chunk_locator(req: Any, group_config: Any, chunk_idx: int) -> Callable[[], Checkpoint]:
-    return lambda: chunk_checkpoint(
-        req.block_hashes,
-        chunk_idx=chunk_idx,
-        tokens_per_block=group_config.tokens_per_block,
-        tokens_per_chunk=group_config.tokens_per_chunk,
-        hashes_per_chunk=group_config.hashes_per_chunk,
-    )
-
-
-def _tail_locator(req: Any, group_config: Any, boundary_tokens: int) -> Callable[[], Checkpoint]:
-    return lambda: tail_checkpoint(
-        req.block_hashes,
-        boundary_tokens=boundary_tokens,
-        tokens_per_chunk=group_config.tokens_per_chunk,
-        hashes_per_chunk=group_config.hashes_per_chunk,
-    )
-
-
-def _store(tracker: Any, offload_key: bytes, meta: Any) -> None:
-    # Same merge as the tracker's own store: a re-store keeps residencies a
-    # secondary tier already announced, so later removals stay paired.
+    original: Callable[..., Any],
+    tracker: Any,
+    args: tuple[Any, Any, int, bytes],
+) -> bool:
+    """Record a Mamba chunk through vLLM's attention path; False to fall back."""
+    req, group_config, position, offload_key = args
     pending = tracker._pending_event_metadata
-    existing = pending.get(offload_key)
-    if existing is not None:
-        meta.active_residencies.update(existing.active_residencies)
-    pending[offload_key] = meta
+    before = pending.get(offload_key)
+    try:
+        original(tracker, req, _as_attention(group_config), position, offload_key)
+        _cut_to_checkpoint(layout, pending.get(offload_key), offload_key)
+        return True
+    except Exception as exc:  # never let event bookkeeping break scheduling
+        _restore(pending, offload_key, before)
+        _warn_fallback(repr(exc))
+        return False
 
 
-def _wrap_record_store(layout: compat.Layout, original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_chunk_method(layout: compat.Layout, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def record_store(
-        self: Any, req: Any, group_config: Any, chunk_idx: int, offload_key: bytes
-    ) -> None:
-        if _handles(layout, self, group_config):
-            meta = _describe(
-                layout, _chunk_locator(req, group_config, chunk_idx), req, group_config, offload_key
-            )
-            if meta is not None:
-                _store(self, offload_key, meta)
-                return None
-        return original(self, req, group_config, chunk_idx, offload_key)
-
-    return record_store
-
-
-def _wrap_record_lookup(layout: compat.Layout, original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def record_lookup(
-        self: Any, req: Any, group_config: Any, chunk_idx: int, offload_key: bytes
-    ) -> None:
-        if _handles(layout, self, group_config):
-            pending = self._pending_event_metadata
-            meta = pending.get(offload_key)
-            if meta is None:
-                meta = _describe(
-                    layout,
-                    _chunk_locator(req, group_config, chunk_idx),
-                    req,
-                    group_config,
-                    offload_key,
-                )
-                if meta is None:
-                    return original(self, req, group_config, chunk_idx, offload_key)
-                pending[offload_key] = meta
-            # As the tracker does for attention: a primary-tier hit is a
-            # residency the manager will later evict.
-            meta.active_residencies.add(layout.primary_residency)
+    def record(self: Any, req: Any, group_config: Any, chunk_idx: int, offload_key: bytes) -> None:
+        args = (req, group_config, chunk_idx, offload_key)
+        if _handles(layout, self, group_config) and _record_checkpoint(
+            layout, original, self, args
+        ):
             return None
-        return original(self, req, group_config, chunk_idx, offload_key)
+        return original(self, *args)
 
-    return record_lookup
+    return record
 
 
-def _wrap_record_partial_store(
-    layout: compat.Layout, original: Callable[..., Any]
-) -> Callable[..., Any]:
+def _wrap_tail_method(layout: compat.Layout, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def record_partial_store(
+    def record(
         self: Any, req: Any, group_config: Any, boundary_tokens: int, offload_key: bytes
     ) -> None:
-        if _handles(layout, self, group_config):
-            meta = _describe(
-                layout,
-                _tail_locator(req, group_config, boundary_tokens),
-                req,
-                group_config,
-                offload_key,
-            )
-            if meta is not None:
-                _store(self, offload_key, meta)
-                return None
-        return original(self, req, group_config, boundary_tokens, offload_key)
+        args = (req, group_config, boundary_tokens, offload_key)
+        if _handles(layout, self, group_config) and _record_checkpoint(
+            layout, original, self, args
+        ):
+            return None
+        return original(self, *args)
 
-    return record_partial_store
+    return record
 
 
-def _wrap_record_partial_lookup(
-    layout: compat.Layout, original: Callable[..., Any]
-) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def record_partial_lookup(
-        self: Any, req: Any, group_config: Any, boundary_tokens: int, offload_key: bytes
-    ) -> None:
-        if _handles(layout, self, group_config):
-            pending = self._pending_event_metadata
-            if offload_key in pending:
-                return None
-            meta = _describe(
-                layout,
-                _tail_locator(req, group_config, boundary_tokens),
-                req,
-                group_config,
-                offload_key,
-            )
-            if meta is not None:
-                pending[offload_key] = meta
-                return None
-        return original(self, req, group_config, boundary_tokens, offload_key)
-
-    return record_partial_lookup
-
-
-_WRAPPERS: dict[str, Callable[[compat.Layout, Callable[..., Any]], Callable[..., Any]]] = {
-    "record_store": _wrap_record_store,
-    "record_lookup": _wrap_record_lookup,
-    "record_partial_store": _wrap_record_partial_store,
-    "record_partial_lookup": _wrap_record_partial_lookup,
-}
-
-PATCHED_METHODS: tuple[str, ...] = tuple(_WRAPPERS)
+def _wrapper_for(name: str) -> Callable[[compat.Layout, Callable[..., Any]], Callable[..., Any]]:
+    # Same parameter names as vLLM's, so a keyword call still binds.
+    return _wrap_chunk_method if name in compat.REQUIRED_METHODS else _wrap_tail_method
 
 
 def is_patched(tracker_cls: type | None = None) -> bool:
@@ -254,8 +173,8 @@ def apply(layout: compat.Layout) -> bool:
     cls = layout.tracker_cls
     if MARKER in cls.__dict__:
         return False
-    originals = {name: cls.__dict__[name] for name in _WRAPPERS}
-    wrapped = {name: wrap(layout, originals[name]) for name, wrap in _WRAPPERS.items()}
+    originals = {name: cls.__dict__[name] for name in layout.methods}
+    wrapped = {name: _wrapper_for(name)(layout, func) for name, func in originals.items()}
     # Marker (with the originals) first: should a setattr below fail, the
     # class still says it is patched and unpatch() can put every method back.
     setattr(cls, MARKER, PatchState(layout=layout, originals=originals))

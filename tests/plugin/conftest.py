@@ -53,6 +53,7 @@ def pristine_tracker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts and ends with vLLM's own tracker and fresh warn-once flags."""
     patch.unpatch()
     monkeypatch.setattr(plugin, "_unsupported_warned", False)
+    monkeypatch.setattr(plugin, "_stood_down", False)
     monkeypatch.setattr(patch, "_fallback_warned", False)
     monkeypatch.delenv(plugin.KILL_SWITCH_ENV, raising=False)
     # caplog listens on the root logger; keep ours propagating to it.

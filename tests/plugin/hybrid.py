@@ -10,11 +10,13 @@ from `SchedulerOffloadConfig.from_spec`, and the tracker constructed exactly as
 `Request`s hashed by vLLM's own block hasher (SHA-256).
 
 Reused by the end-to-end test (patched tracker -> ZmqEventPublisher -> bridge
--> NATS) through `patched_events`.
+-> NATS) through `patched_events`, and by `scenario.py` on every vLLM release
+the plugin is checked against (0.27.1 on), so it sticks to what they share.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -68,10 +70,15 @@ class Hybrid:
 
     @property
     def tokens_per_hash(self) -> int:
-        return self.config.tokens_per_hash
+        # Every group hashes at the same granularity; not every release names it.
+        group = self.groups[ATTENTION]
+        return group.tokens_per_chunk // group.hashes_per_chunk
 
     def new_tracker(self) -> OffloadingEventsTracker:
         """A tracker built as OffloadingConnectorScheduler.__init__ builds it."""
+        # Before 0.33 the scheduler hands the tracker its config alone.
+        if "group_specs" not in inspect.signature(OffloadingEventsTracker).parameters:
+            return OffloadingEventsTracker(self.spec.kv_events_config)
         return OffloadingEventsTracker(
             self.spec.kv_events_config,
             {group.group_idx: group.kv_event_group_spec for group in self.config.kv_group_configs},

@@ -1,66 +1,35 @@
-"""Placing a checkpoint in the hash chain, on plain lists."""
+"""Cutting an attention-shaped payload down to its checkpoint, on plain lists."""
 
 from __future__ import annotations
 
 import pytest
 
-from bridge.plugin.checkpoint import Checkpoint, GeometryError, chunk_checkpoint, tail_checkpoint
+from bridge.plugin.checkpoint import Checkpoint, GeometryError, checkpoint_of
 
-H = [bytes([i]) * 4 for i in range(12)]  # 12 hashes of 16 tokens each
-
-
-def test_chunk_parent_is_one_block_back() -> None:
-    # 32-token blocks over 16-token hashes: the attention chain is H[1], H[3], H[5], ...
-    got = chunk_checkpoint(
-        H, chunk_idx=1, tokens_per_block=32, tokens_per_chunk=64, hashes_per_chunk=4
-    )
-    assert got == Checkpoint(H[7], H[5], 32)
+H = [bytes([i]) * 4 for i in range(12)]
 
 
-def test_single_block_chunk_parent_is_previous_chunk() -> None:
-    kw = dict(tokens_per_block=64, tokens_per_chunk=64, hashes_per_chunk=4)
-    assert chunk_checkpoint(H, chunk_idx=0, **kw) == Checkpoint(H[3], None, 64)
-    assert chunk_checkpoint(H, chunk_idx=2, **kw) == Checkpoint(H[11], H[7], 64)
+def test_block_granular_chunk_parent_is_one_block_back() -> None:
+    # 32-token blocks over 16-token hashes: chunk 1's attention payload is [H[5], H[7]].
+    assert checkpoint_of([H[5], H[7]], H[3]) == Checkpoint(H[7], H[5])
 
 
-def test_hash_granular_chunk() -> None:
-    got = chunk_checkpoint(
-        H, chunk_idx=0, tokens_per_block=16, tokens_per_chunk=32, hashes_per_chunk=2
-    )
-    assert got == Checkpoint(H[1], H[0], 16)
+def test_hash_granular_chunk_parent_is_one_hash_back() -> None:
+    # A release that announces every hash: chunk 1 is [H[4]..H[7]].
+    assert checkpoint_of(H[4:8], H[3]) == Checkpoint(H[7], H[6])
 
 
-def test_tail_is_hash_granular() -> None:
-    kw = dict(tokens_per_chunk=64, hashes_per_chunk=4)
-    assert tail_checkpoint(H, boundary_tokens=96, **kw) == Checkpoint(H[5], H[4], 16)
-    assert tail_checkpoint(H, boundary_tokens=16, **kw) == Checkpoint(H[0], None, 16)
+def test_single_hash_payload_keeps_its_parent() -> None:
+    assert checkpoint_of([H[3]], None) == Checkpoint(H[3], None)
+    assert checkpoint_of([H[7]], H[3]) == Checkpoint(H[7], H[3])
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(chunk_idx=3, tokens_per_block=32, tokens_per_chunk=64, hashes_per_chunk=4),
-        dict(chunk_idx=-1, tokens_per_block=32, tokens_per_chunk=64, hashes_per_chunk=4),
-        dict(chunk_idx=0, tokens_per_block=24, tokens_per_chunk=64, hashes_per_chunk=4),
-        dict(chunk_idx=0, tokens_per_block=32, tokens_per_chunk=64, hashes_per_chunk=0),
-        dict(chunk_idx=0, tokens_per_block=32, tokens_per_chunk=64, hashes_per_chunk=3),
-    ],
-    ids=["past-the-end", "negative", "block-not-hash-multiple", "no-hashes", "uneven-hashes"],
-)
-def test_chunk_geometry_errors(kw: dict[str, int]) -> None:
+def test_cutting_twice_changes_nothing() -> None:
+    # A lookup of a chunk already recorded hands the cut payload back in.
+    once = checkpoint_of([H[5], H[7]], H[3])
+    assert checkpoint_of([once.block_hash], once.parent_block_hash) == once
+
+
+def test_empty_payload_is_refused() -> None:
     with pytest.raises(GeometryError):
-        chunk_checkpoint(H, **kw)
-
-
-@pytest.mark.parametrize("boundary", [0, 40, 13 * 16])
-def test_tail_geometry_errors(boundary: int) -> None:
-    with pytest.raises(GeometryError):
-        tail_checkpoint(H, boundary_tokens=boundary, tokens_per_chunk=64, hashes_per_chunk=4)
-
-
-def test_uncomputed_hash_is_refused() -> None:
-    hashes: list[bytes | None] = [H[0], None, H[2], H[3]]
-    with pytest.raises(GeometryError):
-        chunk_checkpoint(
-            hashes, chunk_idx=0, tokens_per_block=32, tokens_per_chunk=64, hashes_per_chunk=4
-        )
+        checkpoint_of([], H[0])

@@ -1,4 +1,4 @@
-"""Loading the plugin: discovery, vLLM's loader, idempotence, kill switch, refusal."""
+"""Loading the plugin: discovery, vLLM's loader, idempotence, kill switch, stand-down, refusal."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 
 import vllm.plugins  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading import events as vllm_events  # noqa: E402
+from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 import bridge.plugin as plugin  # noqa: E402
 from bridge.plugin import compat, patch  # noqa: E402
@@ -49,7 +50,7 @@ def test_register_patches_once(caplog: pytest.LogCaptureFixture) -> None:
     assert patch.is_patched()
     assert first == second  # the second load wrapped nothing
     changed = {name for name in METHODS if first[name] is not originals[name]}
-    assert changed == set(patch.PATCHED_METHODS)
+    assert changed == set(patch.PATCHABLE_METHODS)
     infos = plugin_records(caplog, logging.INFO)
     assert len(infos) == 1
     assert "patched vLLM 0.33" in infos[0].getMessage() and "record_store" in infos[0].getMessage()
@@ -157,6 +158,60 @@ def test_unknown_layout_warns_once_and_leaves_vllm_untouched(
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "NOT patching" in warnings[0].getMessage() and says in warnings[0].getMessage()
     assert not plugin_records(caplog, logging.INFO)
+
+
+def _native_predicate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What 0.34.0 ships: a module-level predicate that says yes for MambaSpec.
+    monkeypatch.setattr(
+        vllm_events,
+        "describes_group",
+        lambda group_config: isinstance(group_config.kv_cache_spec, MambaSpec),
+        raising=False,
+    )
+
+
+def _native_behaviour(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No predicate, but the tracker keeps a payload for a Mamba chunk itself.
+    def record_store(self, req, group_config, chunk_idx, offload_key):  # type: ignore[no-untyped-def]
+        self._pending_event_metadata[offload_key] = object()
+
+    monkeypatch.setattr(Tracker, "record_store", record_store)
+
+
+@pytest.mark.parametrize(
+    ("make_native", "says"),
+    [(_native_predicate, "describes_group() is true"), (_native_behaviour, "keeps a payload")],
+    ids=["predicate", "behaviour"],
+)
+def test_self_describing_vllm_is_left_alone_with_one_info_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, make_native, says: str
+) -> None:
+    make_native(monkeypatch)
+    before = own_methods()
+    with caplog.at_level(logging.DEBUG, logger="kv_bridge.plugin"):
+        plugin.register()
+        plugin.register()
+    assert own_methods() == before and not patch.is_patched()
+    records = [r for r in caplog.records if r.name == "kv_bridge.plugin"]
+    assert [r.levelno for r in records] == [logging.INFO]
+    assert "standing down" in records[0].getMessage() and says in records[0].getMessage()
+
+
+def test_a_predicate_that_says_no_for_mamba_does_not_stand_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_events, "describes_group", lambda group_config: False, raising=False)
+    plugin.register()
+    assert patch.is_patched()
+
+
+def test_native_support_is_not_fooled_by_our_own_patch() -> None:
+    assert compat.native_support() is None
+    plugin.register()
+    assert patch.is_patched()
+    assert compat.native_support() is None  # it probes vLLM's own record_store
+
+
+def test_layout_on_0_33_wraps_all_four_methods() -> None:
+    assert compat.detect().methods == patch.PATCHABLE_METHODS
 
 
 def test_unverified_version_can_be_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
