@@ -29,6 +29,10 @@ from bridge.access import (
 from bridge.normalize.kinds import parse_group_kind
 from bridge.sink.subjects import validate_worker_id
 
+# Per output format: what one frame may cost in memory once decoded stays
+# under the chart's 512 Mi limit (tests/test_hostile.py measures it).
+DEFAULT_MAX_FRAME_BYTES: dict[str, int] = {"msgpack": 8 * 1024 * 1024, "json": 4 * 1024 * 1024}
+
 OPTIONS: tuple[Option, ...] = (
     Option("--zmq-endpoint", "list", ["tcp://127.0.0.1:5557"],
            "vLLM PUB endpoint (repeatable; env: comma-separated). With --dp-ranks N, one endpoint stands for ranks 0..N-1 on consecutive ports."),
@@ -42,7 +46,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
     Option("--group-kind", "list", [], "Pin a group's kind: IDX=KIND (repeatable), e.g. 1=mamba."),
     Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
-    Option("--max-frame-bytes", "int", 16 * 1024 * 1024, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped."),
+    Option("--max-frame-bytes", "int", 0, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped. 0: 8 MiB with msgpack output, 4 MiB with JSON output (which decodes every field, so a frame costs more memory)."),
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
     Option("--max-buffered-bytes", "int", 256 * 1024 * 1024, "Encoded bytes held in memory the same way (the bound for large batches); 0 for none."),
     Option("--zmq-rcvhwm", "int", 100000, "ZMQ SUB receive high-water mark (messages)."),
@@ -188,7 +192,9 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
             raise ConfigError("--group-kind", str(exc)) from None
         kinds[idx] = kind
     values["group_kind"] = kinds
-    check(values["max_frame_bytes"] >= 1024, "--max-frame-bytes", "must be at least 1024")
+    if values["max_frame_bytes"] == 0:
+        values["max_frame_bytes"] = DEFAULT_MAX_FRAME_BYTES[values["format"]]
+    check(values["max_frame_bytes"] >= 1024, "--max-frame-bytes", "must be 0 (the default) or at least 1024")
     check(values["max_buffered_batches"] >= 1, "--max-buffered-batches", "must be at least 1")
     check(values["max_buffered_bytes"] == 0 or values["max_buffered_bytes"] >= 1024 * 1024,
           "--max-buffered-bytes", "must be 0 (no bound) or at least 1 MiB")

@@ -22,7 +22,7 @@ from bridge.sink.encode import MessageEncoder, Outgoing
 from bridge.sink.jetstream import ResumePoint
 from bridge.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.sink.subjects import SubjectBook, worker_token
-from bridge.source.frames import Frame, FrameError, parse_pub
+from bridge.source.frames import Frame, FrameError, parse_pub, socket_limit
 from bridge.source.replay import ReplayClient
 from bridge.source.sequencer import SeqTracker, Verdict
 from bridge.source.subscriber import Subscriber
@@ -215,7 +215,8 @@ class StreamPipeline:
     # -- the loop --------------------------------------------------------
 
     async def run(self, on_subscribed: Callable[[], None]) -> None:
-        sub = Subscriber(self._ctx, self.plan.endpoint, self._topic, self._rcvhwm, self._coalesce_s)
+        sub = Subscriber(self._ctx, self.plan.endpoint, self._topic, self._rcvhwm, self._coalesce_s,
+                         socket_limit(self._max_frame_bytes))
         self._log.info("zmq_subscribed", replay=self.plan.replay_endpoint, topic=self._topic)
         self._queue.put(self.record("start", reason="fresh" if self._resume is None else "resumed",
                                     seq=None if self._resume is None else self._resume.done_through))

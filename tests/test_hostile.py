@@ -24,7 +24,7 @@ import nats
 import pytest
 
 from bridge.client.codec import BusCodec
-from bridge.config import OPTIONS
+from bridge.config import DEFAULT_MAX_FRAME_BYTES
 from bridge.contract import HDR_RECORD, HDR_SEQ, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.testing.publisher import WirePublisher
@@ -36,35 +36,35 @@ pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status"),
 ]
 
-MAX_FRAME = next(o.default for o in OPTIONS if o.flag == "--max-frame-bytes")
+MAX_FRAME = DEFAULT_MAX_FRAME_BYTES["msgpack"]
 RSS_LIMIT = 512 * 1024 * 1024  # helm/kv-bridge/values.yaml: resources.limits.memory
 enc = msgspec.msgpack.encode
 TS = enc(1796000000.5)
 
 
-def _fill(unit: bytes, per_unit: int = 1) -> bytes:
-    """A batch `[ts, [unit, unit, ...]]` as close to MAX_FRAME as fits; `unit`
+def _fill(limit: int, unit: bytes, per_unit: int = 1) -> bytes:
+    """A batch `[ts, [unit, unit, ...]]` as close to `limit` as fits; `unit`
     is `per_unit` encoded events."""
-    n = (MAX_FRAME - 64) // len(unit)
+    n = (limit - 64) // len(unit)
     return b"\x92" + TS + b"\xdd" + (n * per_unit).to_bytes(4, "big") + unit * n
 
 
-def _one_event(fields: dict[str, Any], name: str, element: bytes) -> bytes:
+def _one_event(limit: int, fields: dict[str, Any], name: str, element: bytes) -> bytes:
     """One event whose list field `name` holds as many `element`s as fit."""
     others = {k: v for k, v in fields.items() if k != name}
     head = enc({**others, name: []})[:-1]  # the map with `name` last, its empty list cut off
-    n = (MAX_FRAME - len(head) - 64) // len(element)
+    n = (limit - len(head) - 64) // len(element)
     event = head + b"\xdd" + n.to_bytes(4, "big") + element * n
     return b"\x92" + TS + b"\x91" + event
 
 
-def _distinct(make: Callable[[int], bytes], per_unit: int = 1) -> bytes:
+def _distinct(limit: int, make: Callable[[int], bytes], per_unit: int = 1) -> bytes:
     """As many distinct units `make(i)` (each `per_unit` encoded events) as fit."""
     parts: list[bytes] = []
     size = 0
     while True:
         unit = make(len(parts))
-        if size + len(unit) > MAX_FRAME - 64:
+        if size + len(unit) > limit - 64:
             break
         parts.append(unit)
         size += len(unit)
@@ -81,39 +81,46 @@ REMOVAL = {"type": "BlockRemoved", "medium": "GPU", "group_idx": 0}
 
 # name: (payload builder, the gap reason its batch must get, or None)
 FRAMES: dict[str, tuple[Callable[[], bytes], str | None]] = {
-    "clears": (lambda: _fill(CLEAR_MAP), None),
-    "clears_as_arrays": (lambda: _fill(enc(["AllBlocksCleared"])), None),
-    "store_clear_alternating": (lambda: _fill(enc(["BlockStored", [b"c"], None, [], 16, None, "GPU"]) + CLEAR_MAP, 2),
+    "clears": (lambda n: _fill(n, CLEAR_MAP), None),
+    "clears_as_arrays": (lambda n: _fill(n, enc(["AllBlocksCleared"])), None),
+    "store_clear_alternating": (lambda n: _fill(n, enc(["BlockStored", [b"c"], None, [], 16, None, "GPU"]) + CLEAR_MAP, 2),
                                 "malformed"),
+    # as many stores as the frame holds (fewer than a batch may hold)
+    "tiny_stores_one_group": (lambda n: _fill(n, TINY_STORE), None),
     # more stores than a batch may hold: the tail is cut off
-    "tiny_stores_one_group": (lambda: _fill(TINY_STORE), "malformed"),
-    "tiny_array_stores_one_group": (lambda: _fill(enc(["BlockStored", []])), "malformed"),
-    "tiny_array_removals_one_group": (lambda: _fill(enc(["BlockRemoved", [], None, 0])), "malformed"),
+    "tiny_array_stores_one_group": (lambda n: _fill(n, enc(["BlockStored", []])), "malformed"),
+    "tiny_array_removals_one_group": (lambda n: _fill(n, enc(["BlockRemoved", [], None, 0])), "malformed"),
     # group ids 0, 1, 2, ...: 256 slices, then the rest cut off (or absurd ids)
-    "tiny_stores_new_groups": (lambda: _distinct(lambda i: enc(["BlockStored", [], None, [], 0, None, None, None, None, i])),
+    "tiny_stores_new_groups": (lambda n: _distinct(n, lambda i: enc(["BlockStored", [], None, [], 0, None, None, None, None, i])),
                                "malformed"),
     # the slice's kind is cleaned to `unknown`; the event keeps vLLM's word, too long for one NATS message
-    "stores_huge_distinct_kinds": (lambda: _distinct(lambda i: enc(
+    "stores_huge_distinct_kinds": (lambda n: _distinct(n, lambda i: enc(
         {**STORE, "group_idx": i, "kv_cache_spec_kind": f"{i}:" + "k" * (1 << 20)})), "unpublishable"),
-    "stores_many_distinct_kinds": (lambda: _distinct(lambda i: enc(
+    "stores_many_distinct_kinds": (lambda n: _distinct(n, lambda i: enc(
         {**STORE, "group_idx": i % 1024, "kv_cache_spec_kind": f"kind_{i:08d}_" + "x" * 30}) + CLEAR_MAP, 2),
         "malformed"),
-    "removal_u64_hashes": (lambda: _one_event(REMOVAL, "block_hashes", b"\xcf" + (2**63 + 12345).to_bytes(8, "big")),
+    "removal_u64_hashes": (lambda n: _one_event(n, REMOVAL, "block_hashes", b"\xcf" + (2**63 + 12345).to_bytes(8, "big")),
                            "unpublishable"),
-    "removal_short_byte_hashes": (lambda: _one_event(REMOVAL, "block_hashes", b"\xc4\x02ab"), "unpublishable"),
-    "removals_with_digests": (lambda: _fill(enc({**REMOVAL, "block_hashes": [b"d" * 32] * 64})), None),
-    "store_many_tokens": (lambda: _one_event(STORE, "token_ids", b"\xcd\x12\x34"), "unpublishable"),
+    "removal_short_byte_hashes": (lambda n: _one_event(n, REMOVAL, "block_hashes", b"\xc4\x02ab"), "unpublishable"),
+    "removals_with_digests": (lambda n: _fill(n, enc({**REMOVAL, "block_hashes": [b"d" * 32] * 64})), None),
+    "store_many_tokens": (lambda n: _one_event(n, STORE, "token_ids", b"\xcd\x12\x34"), "unpublishable"),
 }
 
-# Amplified by decoding alone (bridge/decode): one byte on the wire, one Python
-# object of 32-64 bytes (+ 8 for its list slot) once decoded.
-DECODER_FRAMES: dict[str, tuple[Callable[[], bytes], str]] = {
-    "removal_uncached_small_int_hashes": (lambda: _one_event(REMOVAL, "block_hashes", b"\xf9"), "msgpack"),  # -7
-    "store_extra_keys_of_empty_arrays": (lambda: _one_event(STORE, "extra_keys", b"\x90"), "msgpack"),
-    "store_lookahead_of_empty_arrays": (lambda: _one_event(STORE, "lookahead_token_ids", b"\x90"), "msgpack"),
-    # JSON output decodes token ids (msgpack relays them undecoded)
-    "store_uncached_small_int_tokens": (lambda: _one_event(STORE, "token_ids", b"\xf9"), "json"),
+# Amplified by decoding (one byte on the wire, one Python object of 32-64 bytes
+# once decoded), bounded by what the relay keeps undecoded and by the frame limit.
+FRAMES |= {
+    "removal_uncached_small_int_hashes": (lambda n: _one_event(n, REMOVAL, "block_hashes", b"\xf9"),  # -7
+                                          "unpublishable"),
+    "store_extra_keys_of_empty_arrays": (lambda n: _one_event(n, STORE, "extra_keys", b"\x90"), "unpublishable"),
+    "store_lookahead_of_empty_arrays": (lambda n: _one_event(n, STORE, "lookahead_token_ids", b"\x90"),
+                                        "unpublishable"),
+    "store_uncached_small_int_tokens": (lambda n: _one_event(n, STORE, "token_ids", b"\xf9"), "unpublishable"),
 }
+# JSON output decodes every field (msgpack relays token ids, extra keys and
+# lookahead token ids as bytes) and writes numbers as text.
+JSON_FRAMES = ("store_many_tokens", "removal_u64_hashes", "tiny_array_stores_one_group",
+               "removal_uncached_small_int_hashes", "store_extra_keys_of_empty_arrays",
+               "store_lookahead_of_empty_arrays", "store_uncached_small_int_tokens")
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -259,7 +266,7 @@ def _report(name: str, sizes: list[int], got: dict[str, Any]) -> None:
 @pytest.mark.parametrize("name", sorted(FRAMES))
 async def test_one_hostile_frame_stays_under_the_memory_limit(nats_server: NatsServerProcess, name: str) -> None:
     build, reason = FRAMES[name]
-    payload = build()
+    payload = build(MAX_FRAME)
     assert len(payload) <= MAX_FRAME
     # twice: what the first one left behind must not add up
     got = await _run_bridge(nats_server, [payload, payload])
@@ -270,26 +277,50 @@ async def test_one_hostile_frame_stays_under_the_memory_limit(nats_server: NatsS
     assert got["gaps"] == ({0: reason, 1: reason} if reason else {})
 
 
-@pytest.mark.parametrize("name", sorted(DECODER_FRAMES))
-@pytest.mark.xfail(strict=True, reason="decoding alone amplifies these (one object per wire byte): bridge/decode "
-                                       "must bound what one frame decodes into")
-async def test_a_frame_amplified_by_decoding_stays_under_the_memory_limit(
-    nats_server: NatsServerProcess, name: str
-) -> None:
-    build, fmt = DECODER_FRAMES[name]
-    payload = build()
-    assert len(payload) <= MAX_FRAME
-    got = await _run_bridge(nats_server, [payload], fmt)
-    _report(f"{name} ({fmt})", [len(payload)], got)
-    assert got["alive"] and got["hwm"] < RSS_LIMIT
-
-
-@pytest.mark.parametrize("name", ["store_many_tokens", "removal_u64_hashes", "tiny_array_stores_one_group"])
+@pytest.mark.parametrize("name", JSON_FRAMES)
 async def test_a_json_bridge_stays_under_the_memory_limit(nats_server: NatsServerProcess, name: str) -> None:
-    """JSON output decodes token ids (msgpack relays them as bytes) and writes
-    numbers as text: the same frames, the same bound."""
     build, reason = FRAMES[name]
-    got = await _run_bridge(nats_server, [build()], "json")
-    _report(f"{name} (json)", [MAX_FRAME], got)
+    limit = DEFAULT_MAX_FRAME_BYTES["json"]
+    payload = build(limit)
+    assert len(payload) <= limit
+    got = await _run_bridge(nats_server, [payload], "json")
+    _report(f"{name} (json)", [len(payload)], got)
     assert got["alive"] and got["hwm"] < RSS_LIMIT
     assert got["gaps"] == ({0: reason} if reason else {})
+
+
+async def test_a_frame_past_the_socket_limit_is_never_read(nats_server: NatsServerProcess) -> None:
+    """A frame far over `--max-frame-bytes` (here 128 MiB) is cut off by libzmq
+    before it is read into memory: the publisher is disconnected, the SUB
+    reconnects, the lost seq is named by a gap when the next batch comes."""
+    pub_ep, _ = endpoints()
+    http = free_port()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), None)
+    bus = await _Bus().start(nats_server.url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bridge", "run", "--zmq-endpoint", pub_ep, "--nats-url", nats_server.url,
+         "--http-port", str(http), "--http-host", "127.0.0.1", "--worker-id", "hostile", "--idle-probe-interval", "0",
+         "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy(),
+    )
+    try:
+        await anyio.to_thread.run_sync(_wait_ready, http)
+        await anyio.sleep(0.5)
+        huge = b"\x92" + TS + b"\x91" + b"\xc6" + (128 << 20).to_bytes(4, "big") + bytes(128 << 20)
+        with _sampled(proc.pid) as samples:
+            pub.publish(huge)
+            del huge
+            good = encode_batch(time.time(), [stored([b"g" * 32], None, [1], 16, group_idx=0, kind="full_attention")])
+            with anyio.fail_after(30):
+                while not bus.seqs:  # sent again until the reconnected SUB takes one
+                    await anyio.sleep(0.5)
+                    pub.publish(good)
+        assert proc.poll() is None
+        assert max(samples) < 128 * 1024 * 1024, f"the frame was read: RSS {max(samples) >> 20} MiB"
+        assert bus.gaps.get(0) == "no_replay_endpoint"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        pub.close()
+        await bus.nc.close()

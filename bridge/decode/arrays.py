@@ -27,6 +27,7 @@ import msgspec
 from bridge.decode.wire import (
     CLEARED,
     EMPTY_RAW_ARRAY,
+    NIL_RAW,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -53,7 +54,7 @@ class ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
 
 class ArrayRelayBlockStored(RelayBlockStored, array_like=True, tag="BlockStored"):
     parent_block_hash: BlockHash | None = None
-    token_ids: msgspec.Raw = EMPTY_RAW_ARRAY  # type: ignore[assignment]
+    token_ids: msgspec.Raw = EMPTY_RAW_ARRAY
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -108,33 +109,45 @@ def _rebuilt(event: Any) -> Event:
     return CLEARED
 
 
-def _retype_works() -> bool:
-    probe: Any = ArrayRelayBlockStored([1], None, EMPTY_RAW_ARRAY, 16)
-    want = msgspec.msgpack.encode(_rebuilt(probe))
-    try:
-        probe.__class__ = RelayBlockStored
-    except TypeError:
-        return False
-    return type(probe) is RelayBlockStored and msgspec.msgpack.encode(probe) == want
-
-
-RETYPE: Final = _retype_works()
-
-
-def as_map_events(events: list[Any], retype: bool = RETYPE) -> list[Event]:
-    """`events` (decoded as arrays) as the map structs the bridge relays, in place."""
-    if not retype:
+def as_map_events(events: list[Any], retype: bool | None = None) -> list[Event]:
+    """`events` (decoded as arrays) as the map structs the bridge relays, in
+    place; by the class swap where `RETYPE` (the default) says it works."""
+    if not (RETYPE if retype is None else retype):
         return [_rebuilt(event) for event in events]
     stored, relay_stored, removed = ArrayBlockStored, ArrayRelayBlockStored, ArrayBlockRemoved
     for i, event in enumerate(events):
         cls = type(event)
-        if cls is relay_stored or cls is stored:
+        if cls is relay_stored:
+            event.locality = event.ownership = event.session_id = None
+            event.lookahead_token_ids = NIL_RAW
+            event.placeholder = False
+            if event.extra_keys == NIL_RAW:
+                # nil that stood only to reach a later position: relayed as left out
+                event.extra_keys = NIL_RAW
+            event.__class__ = RelayBlockStored
+        elif cls is stored:
             event.locality = event.ownership = event.session_id = event.lookahead_token_ids = None
             event.placeholder = False
-            event.__class__ = RelayBlockStored if cls is relay_stored else BlockStored
+            event.__class__ = BlockStored
         elif cls is removed:
             event.locality = event.ownership = None
             event.__class__ = BlockRemoved
         else:
             events[i] = CLEARED
     return events
+
+
+def _retype_works() -> bool:
+    """Whether the class swap works here and relays what building anew does."""
+    def probe() -> Any:
+        return ArrayRelayBlockStored([1], None, EMPTY_RAW_ARRAY, 16, None, "GPU", None, NIL_RAW, 2, "mamba")
+
+    want = msgspec.msgpack.encode(_rebuilt(probe()))
+    try:
+        swapped = as_map_events([probe()], retype=True)[0]
+    except TypeError:
+        return False
+    return type(swapped) is RelayBlockStored and msgspec.msgpack.encode(swapped) == want
+
+
+RETYPE: Final = _retype_works()

@@ -22,6 +22,7 @@ from bridge.decode.wire import (
 
 # First bytes of a msgpack array: fixarray, array 16, array 32.
 _ARRAY_HEADS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
+_ARRAY_OR_NIL_HEADS = _ARRAY_HEADS | {0xC0}
 # First bytes of a msgpack map: fixmap, map 16, map 32.
 _MAP_HEADS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
 _EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
@@ -88,7 +89,7 @@ class BatchDecoder:
         if not math.isfinite(batch.ts):
             # JSON has no NaN or infinity: consumers could not read the batch back.
             raise BatchDecodeError("bad_batch", f"non-finite ts {batch.ts!r}")
-        if self._relay and not _token_arrays(batch.events):
+        if self._relay and not _raw_fields_fit(batch.events):
             return self._decode_slowly(payload)
         return batch
 
@@ -122,8 +123,8 @@ class BatchDecoder:
             except _DECODE_ERRORS as exc:
                 rejected.append(self._classify(item, exc))
                 continue
-            if self._relay and not _token_arrays([event]):
-                rejected.append(("bad_event", "token_ids: expected `array`"))
+            if self._relay and not _raw_fields_fit([event]):
+                rejected.append(("bad_event", "token_ids, extra_keys or lookahead_token_ids: expected `array`"))
                 continue
             events.append(event)
         return DecodedBatch(raw.ts, events, raw.data_parallel_rank, rejected)
@@ -155,12 +156,16 @@ class BatchDecoder:
         return ("bad_event", str(exc)[:200])
 
 
-def _token_arrays(events: list[Event]) -> bool:
-    """Whether every relayed store's token ids are a msgpack array (their
-    elements are the publisher's word: checking each would cost what relaying
-    them undecoded saves)."""
-    heads = _ARRAY_HEADS
+def _raw_fields_fit(events: list[Event]) -> bool:
+    """Whether every relayed store's token ids are a msgpack array, and its
+    extra keys and lookahead token ids an array or nil (their elements are the
+    publisher's word: checking each would cost what relaying them undecoded saves)."""
+    arrays, optional = _ARRAY_HEADS, _ARRAY_OR_NIL_HEADS
     for event in events:
-        if type(event) is RelayBlockStored and memoryview(event.token_ids)[0] not in heads:  # type: ignore[arg-type]
+        if type(event) is RelayBlockStored and (
+            memoryview(event.token_ids)[0] not in arrays  # type: ignore[arg-type]
+            or memoryview(event.extra_keys)[0] not in optional  # type: ignore[arg-type]
+            or memoryview(event.lookahead_token_ids)[0] not in optional  # type: ignore[arg-type]
+        ):
             return False
     return True

@@ -49,13 +49,22 @@ class BlockStored(_Event):
     placeholder: bool = False
 
 
+EMPTY_RAW_ARRAY = msgspec.Raw(b"\x90")
+# The relayed form of a field vLLM left out: the default, so omit_defaults leaves it out too.
+NIL_RAW = msgspec.Raw(b"\xc0")
+
+
 class RelayBlockStored(BlockStored, tag="BlockStored"):
-    """BlockStored as the bridge relays it in msgpack: `token_ids` kept as the
-    publisher's msgpack bytes. The bridge never reads them, and decoding then
-    re-encoding every token as a Python int was a third of its work per event.
-    The decoder checks that they are an array; consumers decode BlockStored."""
+    """BlockStored as the bridge relays it in msgpack: token ids, extra keys
+    and lookahead token ids kept as the publisher's msgpack bytes. The bridge
+    never reads them; decoding then re-encoding every token as a Python int was
+    a third of its work per event, and a frame of tiny elements would decode
+    into one Python object per byte. The decoder checks that each is an array
+    (or, for the optional two, nil); consumers decode BlockStored."""
 
     token_ids: msgspec.Raw  # type: ignore[assignment]
+    extra_keys: msgspec.Raw = NIL_RAW  # type: ignore[assignment]
+    lookahead_token_ids: msgspec.Raw = NIL_RAW  # type: ignore[assignment]
 
 
 class BlockRemoved(_Event):
@@ -86,9 +95,6 @@ class RelayEventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[RelayEvent]
     data_parallel_rank: int | None = None
-
-
-EMPTY_RAW_ARRAY = msgspec.Raw(b"\x90")
 
 
 def empty_tokens(stored: type[BlockStored]) -> list[int] | msgspec.Raw:
@@ -130,6 +136,8 @@ class LenientBlockStored(_Event, tag="BlockStored"):
 
 class LenientRelayBlockStored(LenientBlockStored, tag="BlockStored"):
     token_ids: msgspec.Raw = EMPTY_RAW_ARRAY  # type: ignore[assignment]
+    extra_keys: msgspec.Raw = NIL_RAW  # type: ignore[assignment]
+    lookahead_token_ids: msgspec.Raw = NIL_RAW  # type: ignore[assignment]
 
 
 class LenientBlockRemoved(_Event, tag="BlockRemoved"):

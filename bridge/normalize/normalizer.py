@@ -19,7 +19,7 @@ from bridge.contract import (
     WorkerRecord,
     state_checkpoints,
 )
-from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from bridge.decode.wire import EMPTY_RAW_ARRAY, NIL_RAW, AllBlocksCleared, BlockRemoved, BlockStored, Event
 from bridge.normalize.kinds import (
     FAMILY_OF_KIND,
     LEGACY_KIND,
@@ -47,7 +47,6 @@ BAD_GROUP: Final = "bad_group"
 TOO_MANY_MESSAGES: Final = "too_many_messages"
 TOO_MANY_EVENTS: Final = "too_many_events"
 
-_NO_TOKENS_RAW: Final = msgspec.Raw(b"\x90")
 
 
 @dataclass(slots=True)
@@ -307,8 +306,11 @@ class Normalizer:
                         event.parent_block_hash = hashes[-len(checkpoints) - 1]
                         stats.transformed["state_reduced"] += 1
                 # the store is this batch's own: changed in place, like placeholders
-                event.token_ids = _NO_TOKENS_RAW if event.token_ids.__class__ is raw else []
-                if event.lookahead_token_ids is not None:
+                if event.token_ids.__class__ is raw:
+                    event.token_ids = EMPTY_RAW_ARRAY
+                    event.lookahead_token_ids = NIL_RAW  # type: ignore[assignment]  # RelayBlockStored's default
+                else:
+                    event.token_ids = []
                     event.lookahead_token_ids = None
             result.append(event)
         return result

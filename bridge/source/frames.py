@@ -22,6 +22,14 @@ class FrameError(Exception):
         self.detail = detail
 
 
+def socket_limit(max_frame_bytes: int) -> int:
+    """libzmq's ZMQ_MAXMSGSIZE for the bridge's sockets: a peer that sends a
+    message past it is disconnected before the message is read into memory.
+    Twice the frame limit, so a frame just over it is still read, counted and
+    skipped by name (`payload_too_large`) rather than cut off unseen."""
+    return 2 * max_frame_bytes + 64 * 1024
+
+
 def parse_pub(parts: list[bytes], max_bytes: int) -> Frame:
     """`[topic, seq(8 bytes, big-endian), payload]` from the PUB socket."""
     if len(parts) != 3:

@@ -9,10 +9,15 @@ import msgspec
 import structlog
 import zmq
 
-from bridge.source.frames import END_SEQ, Frame, FrameError, parse_replay
+from bridge.source.frames import END_SEQ, Frame, FrameError, parse_replay, socket_limit
 from bridge.source.zmq_io import recv
 
 log = structlog.get_logger("bridge.replay")
+
+# vLLM buffers 10,000 batches; one answer may hold that many, but at most this
+# many frames' worth of bytes (--max-frame-bytes each), 128 MiB by default.
+REPLAY_BUDGET_FRAMES = 16
+REPLAY_RCVHWM = 1000
 
 
 class ReplayResult(msgspec.Struct, gc=False):
@@ -38,6 +43,8 @@ class ReplayClient:
         self._endpoint = endpoint
         self._timeout_s = timeout_s
         self._max_frame_bytes = max_frame_bytes
+        # One answer is held whole before its batches are emitted: bounded.
+        self._max_bytes = REPLAY_BUDGET_FRAMES * max_frame_bytes
         self._on_bad_frame = on_bad_frame
 
     @property
@@ -49,8 +56,11 @@ class ReplayClient:
         reading once it has what it needs; the socket is closed either way."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        # Bounded: what does not fit waits in the publisher's send queue.
+        sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(self._max_frame_bytes))
         frames: list[Frame] = []
+        held = 0
         rejected = 0
         complete = False
         try:
@@ -71,6 +81,12 @@ class ReplayClient:
                     frames.append(frame)
                     if stop_after is not None and frame.seq >= stop_after:
                         complete = True
+                        break
+                    held += len(frame.payload)
+                    if held > self._max_bytes:
+                        # What is not read now is asked for again, or named by a gap.
+                        log.warning("replay_budget", endpoint=self._endpoint, start_seq=start_seq, got=len(frames),
+                                    max_bytes=self._max_bytes)
                         break
         finally:
             sock.close(linger=0)

@@ -6,9 +6,12 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio.lowlevel
+import structlog
 import zmq
 
 from bridge.source.zmq_io import drain, readable, wait_readable
+
+log = structlog.get_logger("bridge.subscriber")
 
 # One drained chunk is processed without yielding to the event loop; then the
 # sink gets its turn. Bounded by count and by bytes, so that neither many
@@ -19,17 +22,23 @@ DRAIN_BYTES = 2 * 1024 * 1024
 
 class Subscriber:
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: str, rcvhwm: int, coalesce_s: float = 0.0
+        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: str, rcvhwm: int, coalesce_s: float = 0.0,
+        max_message_bytes: int = -1,
     ) -> None:
         self.endpoint = endpoint
         self._coalesce_s = coalesce_s
         self._sock = ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         # Reconnect quickly when the vLLM process comes back, but not in a tight loop.
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+        # libzmq does not reconnect after cutting off a message past
+        # MAXMSGSIZE (a protocol error): disconnections are watched, and the
+        # connection made again by hand once the stream is quiet.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
 
     async def batches(self) -> AsyncIterator[list[list[bytes]]]:
@@ -62,6 +71,23 @@ class Subscriber:
             # raised zmq.Again, which under steady load is every other call.
             if await wait_readable(sock):
                 await anyio.lowlevel.checkpoint()
+            else:
+                self._reconnect_if_cut_off()
+
+    def _reconnect_if_cut_off(self) -> None:
+        disconnected = False
+        try:
+            while True:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+                disconnected = True
+        except zmq.Again:
+            pass
+        if disconnected:
+            log.warning("zmq_reconnect", endpoint=self.endpoint)
+            self._sock.disconnect(self.endpoint)
+            self._sock.connect(self.endpoint)
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)

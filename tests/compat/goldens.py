@@ -108,7 +108,8 @@ def find(version: str, hash_form: str) -> Golden:
 
 
 def token_ids(value: Any) -> Any:
-    """Token ids as numbers, whether decoded or kept as the publisher's msgpack bytes."""
+    """A field as numbers, whether decoded or kept as the publisher's msgpack
+    bytes (the relay keeps token ids, extra keys and lookahead token ids so)."""
     if isinstance(value, msgspec.Raw):
         return msgspec.msgpack.decode(value)
     return value

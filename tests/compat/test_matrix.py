@@ -99,9 +99,7 @@ def event_mismatches(got: Any, sent: dict[str, Any]) -> list[str]:
     for name, value in sent.items():
         if name == "type":
             continue
-        have = getattr(got, name, "<missing>")
-        if name == "token_ids":
-            have = token_ids(have)
+        have = token_ids(getattr(got, name, "<missing>"))
         if _plain(have) != _plain(sent_value(name, value)):
             out.append(f"{sent['type']}.{name}: got {have!r}, sent {sent_value(name, value)!r}")
     for f in msgspec.structs.fields(type(got)):
