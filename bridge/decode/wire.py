@@ -162,9 +162,10 @@ def from_lenient(event: LenientBlockStored | LenientBlockRemoved | AllBlocksClea
         return BlockRemoved(event.block_hashes, event.medium, event.group_idx, event.locality, event.ownership)
     if type(event) is not LenientBlockStored and type(event) is not LenientRelayBlockStored:
         return CLEARED
-    stored = RelayBlockStored if relay else BlockStored
-    return stored(
-        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,  # type: ignore[arg-type]
+    # The relay's lenient struct holds its undecoded fields as Raw, the other one as lists.
+    stored: Any = RelayBlockStored if relay else BlockStored
+    return stored(  # type: ignore[no-any-return]
+        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,
         event.medium, event.lora_name, event.extra_keys, event.group_idx, event.kv_cache_spec_kind,
         event.kv_cache_spec_sliding_window, event.locality, event.ownership, event.session_id,
         event.lookahead_token_ids,
