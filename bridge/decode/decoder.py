@@ -9,6 +9,7 @@ import msgspec
 
 from bridge.decode.arrays import ArrayEvent, ArrayEventBatch, ArrayRelayEvent, ArrayRelayEventBatch, as_map_events
 from bridge.decode.wire import (
+    NIL_RAW,
     Event,
     KVEventBatch,
     LenientEvent,
@@ -159,13 +160,17 @@ class BatchDecoder:
 def _raw_fields_fit(events: list[Event]) -> bool:
     """Whether every relayed store's token ids are a msgpack array, and its
     extra keys and lookahead token ids an array or nil (their elements are the
-    publisher's word: checking each would cost what relaying them undecoded saves)."""
-    arrays, optional = _ARRAY_HEADS, _ARRAY_OR_NIL_HEADS
+    publisher's word: checking each would cost what relaying them undecoded
+    saves). The two optional fields are mostly left out: then they are the
+    default object itself, and no buffer is looked at."""
+    arrays, optional, nil = _ARRAY_HEADS, _ARRAY_OR_NIL_HEADS, NIL_RAW
     for event in events:
-        if type(event) is RelayBlockStored and (
-            memoryview(event.token_ids)[0] not in arrays  # type: ignore[arg-type]
-            or memoryview(event.extra_keys)[0] not in optional  # type: ignore[arg-type]
-            or memoryview(event.lookahead_token_ids)[0] not in optional  # type: ignore[arg-type]
-        ):
-            return False
+        if type(event) is RelayBlockStored:
+            if memoryview(event.token_ids)[0] not in arrays:  # type: ignore[arg-type]
+                return False
+            extra, lookahead = event.extra_keys, event.lookahead_token_ids
+            if extra is not nil and memoryview(extra)[0] not in optional:  # type: ignore[arg-type]
+                return False
+            if lookahead is not nil and memoryview(lookahead)[0] not in optional:  # type: ignore[arg-type]
+                return False
     return True

@@ -305,13 +305,19 @@ class Normalizer:
                         event.block_hashes = checkpoints
                         event.parent_block_hash = hashes[-len(checkpoints) - 1]
                         stats.transformed["state_reduced"] += 1
-                # the store is this batch's own: changed in place, like placeholders
-                if event.token_ids.__class__ is raw:
-                    event.token_ids = EMPTY_RAW_ARRAY
-                    event.lookahead_token_ids = NIL_RAW  # type: ignore[assignment]  # RelayBlockStored's default
+                # the store is this batch's own: changed in place, like
+                # placeholders, and only where there is something to strip
+                tokens = event.token_ids
+                if tokens.__class__ is raw:
+                    if len(tokens) != 1:  # type: ignore[arg-type]  # b"\x90", an empty array, is 1 byte
+                        event.token_ids = EMPTY_RAW_ARRAY
+                    if event.lookahead_token_ids is not NIL_RAW:
+                        event.lookahead_token_ids = NIL_RAW  # type: ignore[assignment]  # RelayBlockStored's default
                 else:
-                    event.token_ids = []
-                    event.lookahead_token_ids = None
+                    if tokens:
+                        event.token_ids = []
+                    if event.lookahead_token_ids is not None:
+                        event.lookahead_token_ids = None
             result.append(event)
         return result
 

@@ -1,0 +1,160 @@
+"""`python -m bench.hotpath`: the bridge's per-batch work alone, A/B against another tree.
+
+What kv-bridge does to every batch between ZMQ and the NATS socket, without
+either: decode (`BatchDecoder`, msgpack relay), normalize (`Normalizer`) and
+encode each group message (`MessageEncoder`), over the benchmark's traffic
+(bench/traffic.py) in map form and in array form. Each (tree, encoding) runs
+in its own process, so a tree's own `bridge` package is the one imported.
+
+Two figures per cell:
+  ns/event  wall time, median of interleaved repeats (noisy on a busy machine)
+  Ir/event  instructions counted by valgrind's callgrind: the same for the same
+            code and input whatever else the machine does; a run with no
+            rounds is subtracted, so imports and set-up do not count
+
+`--ref-src TREE` adds the same cells for another source tree (its root), e.g.
+a git worktree of the commit before a change. Figures go to
+bench/results/hotpath.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.traffic import cached
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+# Runs with the tree under test as the working directory, so `import bridge`
+# takes that tree's package; it reads the traffic without bench/ (which differs
+# between trees) and uses only names every tree has had.
+CHILD = r"""
+import json, sys, time
+import msgspec
+from bridge.decode.decoder import BatchDecoder
+from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+from bridge.sink.encode import MessageEncoder
+from bridge.sink.subjects import SubjectBook
+
+path, size, rounds, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+pools = msgspec.msgpack.decode(open(path, "rb").read())
+pool = next(p for p in pools if p[0] == size)
+payloads, events = pool[1], sum(pool[2])
+decoder = BatchDecoder(relay=True)
+normalizer = Normalizer(KindBook({}), False)
+encoder = MessageEncoder("msgpack")
+subjects = SubjectBook("kv", "bench", 0)
+ident = StreamIdentity(worker="bench", dp_rank=0, topic="", epoch=1)
+stats = NormalizeStats()
+
+def one_round():
+    for seq, payload in enumerate(payloads):
+        batch = decoder.decode(payload)
+        for item in normalizer.normalize(ident, seq, batch.ts, batch.events, 0.0, stats):
+            if hasattr(item, "events"):
+                encoder.group(item, subjects, "bench:0:1")
+        stats.dropped.clear()
+        stats.transformed.clear()
+
+times = []
+for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"events": events * rounds, "times": times}))
+"""
+
+
+def run_child(tree: Path, traffic: Path, size: int, rounds: int, repeats: int,
+              callgrind: bool = False) -> tuple[dict[str, Any], int | None]:
+    argv = [sys.executable, "-c", CHILD, str(traffic), str(size), str(rounds), str(repeats)]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    if callgrind:
+        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
+    proc = subprocess.run(argv, cwd=tree, capture_output=True, text=True, env=env, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ir = None
+    if callgrind:
+        match = re.search(r"Collected\s*:\s*(\d+)", proc.stderr)
+        ir = int(match.group(1)) if match else None
+    return out, ir
+
+
+def instructions_per_event(tree: Path, traffic: Path, size: int, rounds: int) -> float | None:
+    """(Ir with `rounds` rounds - Ir with none) / events."""
+    _, base = run_child(tree, traffic, size, 0, 1, callgrind=True)
+    out, total = run_child(tree, traffic, size, rounds, 1, callgrind=True)
+    if base is None or total is None or not out["events"]:
+        return None
+    return (total - base) / out["events"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.hotpath", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ref-src", help="Also measure this source tree (its root).")
+    ap.add_argument("--size", type=int, default=64, help="Events per vLLM batch (a bench size: 8, 64 or 512).")
+    ap.add_argument("--repeats", type=int, default=7, help="Interleaved wall-time repeats.")
+    ap.add_argument("--rounds", type=int, default=3, help="Passes over the traffic pool per repeat.")
+    ap.add_argument("--skip-callgrind", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="Tiny counts, no callgrind: only that it runs.")
+    ap.add_argument("--out", help="JSON output (default bench/results/hotpath.json).")
+    args = ap.parse_args(argv)
+    pool_events = 3_000 if args.smoke else 60_000
+    repeats, rounds = (1, 1) if args.smoke else (args.repeats, args.rounds)
+    callgrind = not (args.smoke or args.skip_callgrind) and shutil.which("valgrind") is not None
+    with tempfile.TemporaryDirectory(prefix="kvb-hotpath-") as tmp:
+        cache = Path(tmp) if args.smoke else RESULTS
+        trees = {"this": ROOT}
+        if args.ref_src:
+            trees["ref"] = Path(args.ref_src).resolve()
+        traffic = {enc: cached((args.size,), pool_events, cache, encoding=enc)[0] for enc in ("map", "array")}
+        cells = [(t, e) for t in trees for e in traffic if not (t == "ref" and e == "array")]
+        times: dict[str, list[float]] = {f"{t}-{e}": [] for t, e in cells}
+        events: dict[str, int] = {}
+        for _ in range(repeats):  # interleaved: a noisy neighbour hurts every cell alike
+            for t, e in cells:
+                out, _ = run_child(trees[t], traffic[e], args.size, rounds, 1)
+                times[f"{t}-{e}"].extend(out["times"])
+                events[f"{t}-{e}"] = out["events"]
+        result: dict[str, Any] = {"size": args.size, "rounds": rounds, "repeats": repeats, "cells": {}}
+        for name in times:
+            ns = statistics.median(times[name]) / events[name] * 1e9
+            result["cells"][name] = {"ns_per_event": round(ns, 1), "ns_each": [
+                round(x / events[name] * 1e9, 1) for x in times[name]]}
+            if callgrind:
+                t, e = name.split("-")
+                ir = instructions_per_event(trees[t], traffic[e], args.size, 1)
+                result["cells"][name]["ir_per_event"] = None if ir is None else round(ir)
+    base = result["cells"].get("ref-map") or result["cells"]["this-map"]
+    print(f"hot path (decode, normalize, encode), {args.size}-event batches; ns/event: median of {repeats}")
+    print(f"{'cell':<12} {'ns/event':>9} {'x map':>7} {'Ir/event':>9} {'x map':>7}")
+    for name, cell in result["cells"].items():
+        ns_ratio = base["ns_per_event"] / cell["ns_per_event"]
+        ir = cell.get("ir_per_event")
+        ir_ratio = base["ir_per_event"] / ir if ir and base.get("ir_per_event") else None
+        cell["speed_vs_map"] = round(ns_ratio, 3)
+        cell["instructions_vs_map"] = None if ir_ratio is None else round(ir_ratio, 3)
+        print(f"{name:<12} {cell['ns_per_event']:>9.0f} {ns_ratio:>7.3f} "
+              f"{'-' if ir is None else ir:>9} {'-' if ir_ratio is None else format(ir_ratio, '.3f'):>7}")
+    print("(x map: the map-form cell of the reference tree, else of this one, over this cell; above 1 is faster)")
+    out_path = Path(args.out) if args.out else RESULTS / "hotpath.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
