@@ -67,3 +67,15 @@ def test_smoke_benchmark_yields_figures_for_every_mode_and_loses_nothing(tmp_pat
     assert set(results["summary"]["targets"]) >= {
         "core_vs_floor", "core_vs_naive", "jetstream_vs_floor", "core_p99_ms", "jetstream_p99_ms", "overload_rss_bounded",
     }
+
+
+def test_hot_path_benchmark_measures_both_encodings(tmp_path: Path) -> None:
+    """`python -m bench.hotpath --smoke`: figures for map and array traffic
+    (never how fast: the smoke run's counts are tiny)."""
+    out = tmp_path / "hotpath.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.hotpath", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    cells = json.loads(out.read_text())["cells"]
+    assert set(cells) == {"this-map", "this-array"}
+    assert all(cell["ns_per_event"] > 0 for cell in cells.values())
