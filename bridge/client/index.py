@@ -25,6 +25,15 @@ Semantics (docs/consumers.md has the long form):
 - `stop`: the bridge stopped watching: the view is kept but skipped by queries
   until traffic or a `start` comes back.
 - Records and messages of an older epoch than the view's are ignored (counted).
+- Report mode "full" (a request's `kv_cache_report_mode`): vLLM announces a
+  prefix hit of k blocks again, in every group, as one parent-less BlockStored
+  of the chain's first k hashes with their tokens, and adds no block (in window
+  and state groups it even lists positions they do not hold). A parent-less GPU
+  store that carries its tokens and whose whole chain the worker can already
+  resume from is that announcement: it adds nothing, and the tokenless store of
+  the same hashes in another group of the same batch (a state group, whose
+  tokens the bridge strips) is taken back or skipped. Counted as copies, they
+  outlived every removal.
 - A group message at or before the last one applied to its group (by seq,
   part, chunk: what its Nats-Msg-Id names) is a copy, ignored and counted
   (`duplicates_ignored`): in JetStream mode the bridge publishes again what was
@@ -34,15 +43,17 @@ Semantics (docs/consumers.md has the long form):
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from typing import NamedTuple
 
 from bridge.client.prefix import PrefixMatch, match_view, match_views
+from bridge.client.prefix import _group_limit as group_limit
 from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
 from bridge.client.subscribe import BusMessage, Interruption
 from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
 from bridge.decode.wire import BlockHash, BlockStored
-from bridge.normalize.kinds import OTHER, STATE, WINDOW, family_of
+from bridge.normalize.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
 
 DEFAULT_MEDIUM = GPU_MEDIUM  # vLLM before media existed reported only its GPU block pool
 MAX_LOST_RANGES = 16
@@ -52,6 +63,18 @@ class _Declared(NamedTuple):
     kind: str
     block_size: int
     window: int | None
+
+
+class _Reannounced:
+    """Parent-less GPU stores of one batch position of one worker rank (report mode "full")."""
+
+    __slots__ = ("at", "added", "chains", "tokenless")
+
+    def __init__(self, at: tuple[int, int, int]) -> None:
+        self.at = at  # (epoch, seq, part)
+        self.added: Counter[tuple[int, BlockHash]] = Counter()  # GPU copies stored at this position
+        self.chains: set[tuple[BlockHash, ...]] = set()  # announced again, not stored
+        self.tokenless: list[tuple[GroupResidency, tuple[BlockHash, ...], list[BlockHash]]] = []  # may be taken back
 
 
 class ResidencyIndex:
@@ -64,6 +87,8 @@ class ResidencyIndex:
         # Group structure from the worker registry: it outlives resets, so a
         # restarted worker's state group is known before it announces anything.
         self._declared: dict[WorkerKey, dict[int, _Declared]] = {}
+        self._reannounced: dict[WorkerKey, _Reannounced] = {}
+        self.reannounced_ignored = 0  # parent-less stores taken for report mode "full" announcements
 
     # -- reading ---------------------------------------------------------
 
@@ -201,6 +226,9 @@ class ResidencyIndex:
                     # The contract's rule; an older bridge may not have applied it.
                     hashes = state_checkpoints(event.medium, hashes)
                 placeholder = family == WINDOW and (event.placeholder or event.block_size == 0)
+                if event.parent_block_hash is None and medium == GPU_MEDIUM and hashes and not placeholder \
+                        and self._announced_again(view, g, msg, event, hashes):
+                    continue
                 g.store(medium, hashes, placeholder)
             else:
                 g.remove(medium, event.block_hashes)
@@ -210,6 +238,64 @@ class ResidencyIndex:
         now = time.time() if received is None else received
         view.last_received = now
         view.lag = max(0.0, now - msg.ts)
+
+    def _announced_again(self, view: WorkerView, g: GroupResidency, msg: GroupMessage, event: BlockStored,
+                         stored: list[BlockHash]) -> bool:
+        """Whether a parent-less GPU store is vLLM announcing a prefix hit again
+        (report mode "full") rather than storing blocks; when it is not, it is
+        stored and noted. A store that carries its tokens (attention and window
+        groups) is one when, with what this batch stored left out, the worker
+        could resume from its whole chain: vLLM stores parent-less blocks only
+        for a request that reused nothing. A tokenless store (a state group: the
+        bridge strips its tokens) is one when a store of the same chain at the
+        same batch position was; if it came first, its copies are taken back."""
+        at = (msg.epoch, msg.seq, msg.part)
+        memo = self._reannounced.get(view.key)
+        if memo is None or memo.at != at:
+            memo = self._reannounced[view.key] = _Reannounced(at)
+        chain = tuple(event.block_hashes)
+        if chain in memo.chains:
+            self.reannounced_ignored += 1
+            return True
+        if event.token_ids and event.block_size > 0 and len(event.token_ids) >= len(chain) * event.block_size \
+                and self._resumable_before(view, memo, chain):
+            memo.chains.add(chain)
+            self.reannounced_ignored += 1
+            keep = []
+            for other, hashes, copies in memo.tokenless:
+                if hashes != chain:
+                    keep.append((other, hashes, copies))
+                    continue
+                other.remove(GPU_MEDIUM, copies)  # the copies that store added: no removal
+                other.removed -= len(copies)
+                other.stored -= len(copies)
+                for h in copies:
+                    memo.added[(other.group, h)] -= 1
+                self.reannounced_ignored += 1
+            memo.tokenless = keep
+            return True
+        for h in stored:
+            memo.added[(g.group, h)] += 1
+        if not event.token_ids:
+            memo.tokenless.append((g, chain, list(stored)))
+        return False
+
+    @staticmethod
+    def _resumable_before(view: WorkerView, memo: _Reannounced, chain: tuple[BlockHash, ...]) -> bool:
+        """The hybrid prefix rule at p = len(chain) on the GPU tier (trusted and
+        suspect copies), without the copies stored at this batch position."""
+        k = len(chain)
+        constrained = False
+        for group, res in view.groups.items():
+            if res.family not in (ATTENTION, WINDOW, STATE):
+                continue
+            constrained = True
+            held = [res.count(GPU_MEDIUM, h) + res.count(GPU_MEDIUM, h, suspect=True) - memo.added[(group, h)] > 0
+                    for h in chain]
+            allowed, _ = group_limit(res, held)
+            if not allowed[k]:
+                return False
+        return constrained
 
     def apply_record(self, rec: WorkerRecord) -> None:
         key = WorkerKey(rec.worker, rec.dp_rank)
