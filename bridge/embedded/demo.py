@@ -25,7 +25,7 @@ log = structlog.get_logger("bridge.demo")
 
 
 async def _feed(pub: WirePublisher, batches: int, interval: float, events_per_batch: int) -> None:
-    workload = HybridWorkload(seed=7)
+    workload = HybridWorkload(seed=7, engine_shapes=True)
     for i in range(batches):
         pub.publish(workload.batch(events_per_batch, clear=(i + 1) % 40 == 0))
         await anyio.sleep(interval)

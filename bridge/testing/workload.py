@@ -1,6 +1,13 @@
 """Traffic shaped like a hybrid model's vLLM worker: a full-attention group, a
 sliding-window group and a mamba (recurrent state) group, as vLLM 0.33.0 emits
-them. Deterministic for a seed, so tests, benchmarks and the demo can count on it."""
+them. Deterministic for a seed, so tests, benchmarks and the demo can count on it.
+
+With `engine_shapes=True` (the demo and the benchmark) it also sends what a real
+engine's GPU tier sends and a tidy generator would not: window stores that
+list only the blocks inside the window while their token ids cover every new
+block (null blocks are skipped in the hashes, not in the tokens), mamba
+stores with all the request's token ids, and mamba stores with no hash at all
+(no block of the step holds state), and `extra_keys` lists of None."""
 
 from __future__ import annotations
 
@@ -20,8 +27,10 @@ WINDOW_TOKENS = 128
 class HybridWorkload:
     """Each request stores a chain of blocks in every group; later evictions remove them."""
 
-    def __init__(self, seed: int = 0, int_hashes: bool = False, dp_rank: int | None = None) -> None:
+    def __init__(self, seed: int = 0, int_hashes: bool = False, dp_rank: int | None = None,
+                 engine_shapes: bool = False) -> None:
         self._rng = random.Random(seed)
+        self._engine_shapes = engine_shapes
         self._int_hashes = int_hashes
         self._dp_rank = dp_rank
         self._resident: list[list[Any]] = []
@@ -46,6 +55,8 @@ class HybridWorkload:
             parent = h
         self._resident.append(hashes)
         recent = max(1, WINDOW_TOKENS // BLOCK_SIZE)
+        if self._engine_shapes:
+            return self._engine_request(hashes, tokens, recent)
         return [
             stored(hashes, None, tokens, BLOCK_SIZE, group_idx=ATTN, kind="full_attention"),
             stored(hashes[-recent:], hashes[-recent - 1] if len(hashes) > recent else None,
@@ -54,6 +65,22 @@ class HybridWorkload:
             stored([hashes[-1]], hashes[-2] if len(hashes) > 1 else None, [], BLOCK_SIZE,
                    group_idx=MAMBA, kind="mamba"),
         ]
+
+    def _engine_request(self, hashes: list[Any], tokens: list[int], recent: int) -> list[Event]:
+        attention = stored(hashes, None, tokens, BLOCK_SIZE, group_idx=ATTN, kind="full_attention")
+        attention.extra_keys = [None] * len(hashes)
+        events: list[Event] = [
+            attention,
+            # the parent is the hash before the first new block, not before the first listed
+            stored(hashes[-recent:], None, tokens, BLOCK_SIZE, group_idx=WINDOW, kind="sliding_window",
+                   sliding_window=WINDOW_TOKENS),
+        ]
+        if self._rng.random() < 0.3:
+            # no block of this step holds a state checkpoint
+            events.append(stored([], None, tokens, BLOCK_SIZE, group_idx=MAMBA, kind="mamba"))
+        else:
+            events.append(stored([hashes[-1]], None, tokens, BLOCK_SIZE, group_idx=MAMBA, kind="mamba"))
+        return events
 
     def eviction_events(self) -> list[Event]:
         if not self._resident:
