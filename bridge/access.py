@@ -14,7 +14,6 @@ the bridge's pipeline or sink: consumers import it and nothing of the producer.
 from __future__ import annotations
 
 import argparse
-import re
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
+
+from bridge.contract import validate_prefix
 
 
 class ConfigError(ValueError):
@@ -112,7 +113,6 @@ _FILE_FLAGS: Final = ("--nats-password-file", "--nats-token-file", "--nats-nkey-
                       "--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key")
 _SECRETS: Final = ("nats_password", "nats_token")
 _NATS_SCHEMES: Final = ("nats", "tls", "ws", "wss")
-_PREFIX_TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class NatsAccess(msgspec.Struct, frozen=True):
@@ -157,15 +157,6 @@ def redact_url(url: str) -> str:
     host = parts.netloc.rpartition("@")[2]
     user = "<redacted>" if parts.password is None else f"{parts.username}:<redacted>"
     return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
-
-
-def validate_prefix(prefix: str) -> str:
-    """The prefix is operator-chosen and may span tokens (`kv.prod`); each token
-    must be plain so the prefix cannot hold wildcards."""
-    tokens = prefix.split(".")
-    if not all(_PREFIX_TOKEN.fullmatch(t) for t in tokens):
-        raise ValueError(f"subject prefix {prefix!r}: tokens of [A-Za-z0-9_-] joined by '.'")
-    return prefix
 
 
 def check_prefix(prefix: str) -> None:

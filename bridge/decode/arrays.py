@@ -24,17 +24,8 @@ from typing import Any, Final, Union
 
 import msgspec
 
-from bridge.decode.wire import (
-    CLEARED,
-    EMPTY_RAW_ARRAY,
-    NIL_RAW,
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    RelayBlockStored,
-)
+from bridge.contract import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from bridge.decode.wire import CLEARED, EMPTY_RAW_ARRAY, NIL_RAW, RelayBlockStored
 
 
 class ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):

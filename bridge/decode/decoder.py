@@ -7,11 +7,10 @@ from typing import Any
 
 import msgspec
 
+from bridge.contract import Event, KVEventBatch
 from bridge.decode.arrays import ArrayEvent, ArrayEventBatch, ArrayRelayEvent, ArrayRelayEventBatch, as_map_events
 from bridge.decode.wire import (
     NIL_RAW,
-    Event,
-    KVEventBatch,
     LenientEvent,
     LenientRelayEvent,
     RawEventBatch,

@@ -1,14 +1,12 @@
-"""msgspec mirrors of vLLM's KV event wire structs, for every release that publishes them.
-
-They are written from the wire facts (docs/compatibility.md), not imported from vLLM,
-so the bridge runs without vLLM installed. Decoding ignores unknown map keys and
-extra array elements, so newer vLLM releases keep decoding.
+"""The forms the bridge decodes vLLM's events into on their way to the contract's
+map structs (bridge.contract.events), for every release that publishes them.
 
 Two encodings reach the bridge: tagged maps (vLLM 0.24.0 and later), and msgpack
-arrays `[tag, field, ...]` (0.9.0 through 0.23.0), whose fields were only ever
-appended, so one positional order covers every array release. Both decode into
-the same map structs, which are what the bridge relays: vLLM's own schema, with
-its required fields required, so vLLM's structs decode every relayed event.
+arrays `[tag, field, ...]` (0.9.0 through 0.23.0, bridge.decode.arrays). Both
+end as the contract's map structs, which are what the bridge relays. Here: the
+relay's store that keeps fields it never reads as msgpack bytes, the batch with
+events left undecoded for the per-event fallback, and lenient maps for a
+publisher that leaves out fields vLLM always sends.
 """
 
 from __future__ import annotations
@@ -17,36 +15,11 @@ from typing import Any, Union
 
 import msgspec
 
-# 64-bit ints (vLLM's default; Python hash() ints, possibly negative, before
-# 0.10.2) or raw 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0); both travel on.
-BlockHash = Union[bytes, int]
+from bridge.contract.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 
-class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class _LenientEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
-
-
-class BlockStored(_Event):
-    # The fields up to lora_name have no default, as in vLLM: omit_defaults
-    # then always encodes them, and vLLM's own BlockStored requires them.
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-    # Never set by vLLM: the bridge marks window placeholders it forwards with
-    # --keep-placeholders (block_size=0, one hash, no position).
-    placeholder: bool = False
 
 
 EMPTY_RAW_ARRAY = msgspec.Raw(b"\x90")
@@ -67,26 +40,7 @@ class RelayBlockStored(BlockStored, tag="BlockStored"):
     lookahead_token_ids: msgspec.Raw = NIL_RAW  # type: ignore[assignment]
 
 
-class BlockRemoved(_Event):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_Event):
-    pass
-
-
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 RelayEvent = Union[RelayBlockStored, BlockRemoved, AllBlocksCleared]
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Event]
-    data_parallel_rank: int | None = None
 
 
 class RelayEventBatch(msgspec.Struct, array_like=True, gc=False):
@@ -113,7 +67,7 @@ class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
 # -- lenient maps: an event that lacks a field vLLM always sends ---------------
 
 
-class LenientBlockStored(_Event, tag="BlockStored"):
+class LenientBlockStored(_LenientEvent, tag="BlockStored"):
     """A map store missing fields every vLLM release sends (a third-party or
     hand-made publisher): decoded with vLLM's defaults, then made a BlockStored."""
 
@@ -140,7 +94,7 @@ class LenientRelayBlockStored(LenientBlockStored, tag="BlockStored"):
     lookahead_token_ids: msgspec.Raw = NIL_RAW  # type: ignore[assignment]
 
 
-class LenientBlockRemoved(_Event, tag="BlockRemoved"):
+class LenientBlockRemoved(_LenientEvent, tag="BlockRemoved"):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None

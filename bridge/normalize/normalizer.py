@@ -12,24 +12,26 @@ from typing import Final
 import msgspec
 
 from bridge.contract import (
+    FAMILY_OF_KIND,
+    LEGACY_KIND,
+    MAX_GROUP_ID,
     SCHEMA_VERSION,
+    STATE,
+    UNKNOWN_KIND,
+    WINDOW,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
     GroupEvent,
     GroupMessage,
     KindSource,
     WorkerRecord,
-    state_checkpoints,
-)
-from bridge.decode.wire import EMPTY_RAW_ARRAY, NIL_RAW, AllBlocksCleared, BlockRemoved, BlockStored, Event
-from bridge.normalize.kinds import (
-    FAMILY_OF_KIND,
-    LEGACY_KIND,
-    MAX_GROUP_ID,
-    STATE,
-    UNKNOWN_KIND,
-    WINDOW,
     clean_kind,
     family_of,
+    state_checkpoints,
 )
+from bridge.decode.wire import EMPTY_RAW_ARRAY, NIL_RAW
 
 # A real batch yields one slice per group, a few groups, rarely split by a
 # clear. Past this many messages (slices and clear records) the rest of the

@@ -2,7 +2,7 @@
 
 vLLM encodes `KVEventBatch` array-like and each event as a tagged map from a
 msgspec Struct with omit_defaults: required fields always present, defaulted
-ones only when set. bridge.decode.wire's structs have vLLM's exact fields,
+ones only when set. bridge.contract's event structs have vLLM's exact fields,
 order and defaults (the bridge's own `placeholder` is omitted while False), so
 encoding them gives vLLM's bytes (tests/test_wire_writer.py compares them with
 vLLM's own encoder).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bridge.decode.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, KVEventBatch
+from bridge.contract import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, KVEventBatch
 
 _encode = msgspec.msgpack.Encoder().encode
 

@@ -16,7 +16,7 @@ import random
 import time
 from typing import Any
 
-from bridge.decode.wire import Event
+from bridge.contract import Event
 from bridge.testing.wire_writer import cleared, encode_batch, removed, stored
 
 ATTN, WINDOW, MAMBA = 0, 1, 2

@@ -12,7 +12,7 @@ from typing import Final, Literal, Union
 
 import msgspec
 
-from bridge.decode.wire import BlockHash, BlockRemoved, BlockStored
+from bridge.contract.events import BlockRemoved, BlockStored
 
 SCHEMA_VERSION: Final = 1
 
@@ -24,8 +24,6 @@ HDR_SEQ: Final = "Kvb-Seq"
 HDR_EPOCH: Final = "Kvb-Epoch"
 HDR_FORMAT: Final = "Kvb-Format"
 HDR_RECORD: Final = "Kvb-Record"
-
-WORKER_TOKEN: Final = "worker"
 
 KindSource = Literal["event", "learned", "pinned", "legacy", "unknown"]
 RecordType = Literal["start", "stop", "cleared", "restart", "gap"]
@@ -84,23 +82,3 @@ class WorkerRecord(msgspec.Struct, gc=False, omit_defaults=True):
     # vLLM's timestamp of batch `seq` (stop, cleared): a resuming bridge compares
     # it with what vLLM replays to tell the same process from a new one.
     batch_ts: float | None = None
-
-
-# vLLM's GPU tier lists only blocks that hold state, so every hash of a state
-# store there is a checkpoint; offload tiers keep one state per chunk. Events
-# with no medium come from releases before media existed: GPU.
-GPU_MEDIUM: Final = "GPU"
-
-
-def state_checkpoints(medium: str | None, hashes: list[BlockHash]) -> list[BlockHash]:
-    """The hashes of a state (recurrent) store at which it holds a checkpoint."""
-    if medium is None or medium == GPU_MEDIUM or len(hashes) < 2:
-        return hashes
-    return hashes[-1:]
-
-
-def hash_hex(value: BlockHash, width: int = 8) -> str:
-    """A short printable form of a block hash, bytes or int, for humans."""
-    if isinstance(value, bytes):
-        return value.hex()[:width]
-    return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"[:width]
