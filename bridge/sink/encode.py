@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Final
-
 import msgspec
 
 from bridge.contract import (
@@ -14,19 +12,20 @@ from bridge.contract import (
     HDR_MSG_ID,
     HDR_RECORD,
     HDR_SEQ,
+    WORKER_TOKEN,
     GroupMessage,
     WorkerRecord,
+    encoder_for,
 )
+from bridge.contract.msgid import group_id
 from bridge.sink.subjects import SubjectBook
-
-FORMATS: Final = ("msgpack", "json")
 
 
 class Outgoing(msgspec.Struct, gc=False, array_like=True):
     subject: str
     payload: bytes
     headers: dict[str, str]
-    family: str  # "worker" for worker records
+    family: str  # WORKER_TOKEN for worker records
     events: int
     # `headers` as NATS puts them on the wire (`NATS/1.0\r\nKey: value\r\n...\r\n`),
     # built once by the encoder: a publisher writing HPUB frames itself
@@ -41,10 +40,8 @@ class Outgoing(msgspec.Struct, gc=False, array_like=True):
 
 class MessageEncoder:
     def __init__(self, fmt: str) -> None:
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown format {fmt!r}")
+        self._encode = encoder_for(fmt)
         self.format = fmt
-        self._encode = msgspec.msgpack.Encoder().encode if fmt == "msgpack" else msgspec.json.Encoder().encode
         self._static: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
         self._epoch = -1
         self._epoch_text = ""
@@ -60,11 +57,7 @@ class MessageEncoder:
             self._epoch = msg.epoch
             self._epoch_text = str(msg.epoch)
         epoch = self._epoch_text
-        msg_id = f"{msg_id_base}:{seq}:{msg.group}"
-        if msg.part:
-            msg_id = f"{msg_id}.p{msg.part}"
-        if msg.chunks > 1:
-            msg_id = f"{msg_id}.c{msg.chunk}"
+        msg_id = group_id(msg_id_base, seq, msg.group, msg.part, msg.chunk, msg.chunks)
         headers = fixed.copy()
         headers[HDR_MSG_ID] = msg_id
         headers[HDR_SEQ] = seq
@@ -90,7 +83,7 @@ class MessageEncoder:
         }
         if rec.seq is not None:
             headers[HDR_SEQ] = str(rec.seq)
-        return Outgoing(subjects.worker, self._encode(rec), headers, "worker", 0, header_block(headers))
+        return Outgoing(subjects.worker, self._encode(rec), headers, WORKER_TOKEN, 0, header_block(headers))
 
 
 def header_block(headers: dict[str, str]) -> bytes:
@@ -118,7 +111,3 @@ def hpub_frames(messages: list[Outgoing], replies: list[str] | None = None) -> b
         append(b"\r\n")
     return b"".join(parts)
 
-
-def decoder_for(fmt: str, type_: type) -> msgspec.msgpack.Decoder | msgspec.json.Decoder:  # type: ignore[type-arg]
-    """Consumers' side of the same choice."""
-    return msgspec.msgpack.Decoder(type_) if fmt == "msgpack" else msgspec.json.Decoder(type_)
