@@ -22,8 +22,7 @@ from bridge.client.prefix import PrefixMatch, window_blocks
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
 from bridge.client.subscribe import BusItem, BusMessage, BusSubscriber, Interruption, StartAt, parse_since
-from bridge.contract import GroupMessage, WorkerRecord
-from bridge.registry import WorkerEntry, liveness
+from bridge.contract import GroupMessage, WorkerEntry, WorkerRecord, liveness
 
 __all__ = [
     "DEFAULT_URL",

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 import msgspec
 
-from bridge.contract import HDR_FORMAT, HDR_RECORD, WORKER_TOKEN, GroupMessage, WorkerRecord
+from bridge.contract import FORMATS, HDR_FORMAT, HDR_RECORD, WORKER_TOKEN, GroupMessage, WorkerRecord, decoder_for
 
 Body = GroupMessage | WorkerRecord
 
@@ -26,14 +26,8 @@ class BusCodec:
     """Decoders made once; one instance serves any number of messages."""
 
     def __init__(self) -> None:
-        self._group: dict[str, Any] = {
-            "msgpack": msgspec.msgpack.Decoder(GroupMessage),
-            "json": msgspec.json.Decoder(GroupMessage),
-        }
-        self._record: dict[str, Any] = {
-            "msgpack": msgspec.msgpack.Decoder(WorkerRecord),
-            "json": msgspec.json.Decoder(WorkerRecord),
-        }
+        self._group: dict[str, Any] = {fmt: decoder_for(fmt, GroupMessage) for fmt in FORMATS}
+        self._record: dict[str, Any] = {fmt: decoder_for(fmt, WorkerRecord) for fmt in FORMATS}
 
     @staticmethod
     def is_record(subject: str, headers: dict[str, str] | None) -> bool:
@@ -44,7 +38,7 @@ class BusCodec:
     @staticmethod
     def format_of(data: bytes, headers: dict[str, str] | None) -> str:
         fmt = headers.get(HDR_FORMAT) if headers else None
-        if fmt in ("msgpack", "json"):
+        if fmt in FORMATS:
             return fmt
         return "json" if data[:1] == bytes([_JSON_START]) else "msgpack"
 

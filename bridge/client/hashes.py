@@ -8,7 +8,7 @@ ints; the reverse is impossible, so a query given ints matches only ints.
 
 from __future__ import annotations
 
-from bridge.decode.wire import BlockHash
+from bridge.contract import BlockHash
 
 _LOW64 = (1 << 64) - 1
 

@@ -22,8 +22,7 @@ import msgspec
 
 from bridge.client.hashes import lookup_keys
 from bridge.client.residency import GroupResidency, Table, WorkerView
-from bridge.decode.wire import BlockHash
-from bridge.normalize.kinds import ATTENTION, STATE, WINDOW
+from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
 
 
 class PrefixMatch(msgspec.Struct, frozen=True):

@@ -1,6 +1,6 @@
 """Reading the worker registry: who is out there, and who is still alive.
 
-Follows the bridge-written JetStream KV bucket (see `bridge.registry`) with a
+Follows the bridge-written JetStream KV bucket (entries: `bridge.contract.registry`) with a
 KV watch, so a new heartbeat shows up at once. A bucket that does not exist yet
 (no bridge with JetStream started so far) is looked for again every few seconds.
 """
@@ -18,9 +18,8 @@ from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
 from bridge.client.index import ResidencyIndex
-from bridge.registry import DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
+from bridge.contract import DEFAULT_BUCKET, DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
 
-DEFAULT_BUCKET = "kv_workers"
 _RETRY_SECONDS = 2.0
 _DELETES = ("DEL", "PURGE")
 

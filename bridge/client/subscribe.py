@@ -24,8 +24,7 @@ from nats.js import api
 
 from bridge.client.access import BusConnection
 from bridge.client.codec import Body, BusCodec, BusDecodeError
-
-DEFAULT_STREAM: Final = "KV_EVENTS"
+from bridge.contract import DEFAULT_STREAM
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

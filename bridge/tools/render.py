@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from bridge.contract import GroupMessage, WorkerRecord, hash_hex
-from bridge.decode.wire import BlockStored
+from bridge.contract import BlockStored, GroupMessage, WorkerRecord, hash_hex
 
 
 def render_group(msg: GroupMessage) -> str:

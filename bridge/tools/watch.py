@@ -26,7 +26,7 @@ from bridge.client.index import ResidencyIndex
 from bridge.client.registry import DEFAULT_BUCKET, RegistryFollower, declare_entry
 from bridge.client.residency import WorkerKey, WorkerView
 from bridge.client.subscribe import DEFAULT_STREAM, BusSubscriber, StartAt, parse_since
-from bridge.registry import DEFAULT_DEAD_AFTER
+from bridge.contract import DEFAULT_DEAD_AFTER
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 _LIVENESS_STYLE = {"alive": "green", "dead": "bold red", "stopped": "yellow", "watching": "green", "?": "dim"}

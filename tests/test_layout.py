@@ -1,0 +1,109 @@
+"""The package layout's import rules, read from the source with ast:
+
+- `bridge.contract` is a leaf: it imports nothing of `bridge` outside itself,
+  so the bridge and its consumers can both depend on it.
+- the consumers (`bridge.client`, `bridge.tools`) and `bridge.access`, which
+  they share with the bridge, import of `bridge` only the contract, access,
+  the consumers' own packages and the root's `__version__`: never the producer
+  (config, source, decode, normalize, sink, pipeline, service, ...).
+
+Every import counts, at module level or inside a function or a TYPE_CHECKING block.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+BRIDGE = ROOT / "bridge"
+
+CONSUMER_ALLOWED = ("bridge.contract", "bridge.access", "bridge.client", "bridge.tools")
+# The package root holds only the distribution's version, which a tool may print.
+ROOT_VERSION = ("bridge", "bridge.__version__")
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, module: str) -> Iterator[tuple[int, str]]:
+    """(line, absolute module) for every import in `path`, the source of
+    `module`; `from pkg import name` also yields `pkg.name`, which names a
+    submodule when `name` is one."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield node.lineno, target
+            for alias in node.names:
+                yield node.lineno, f"{target}.{alias.name}"
+
+
+def _within(module: str, packages: tuple[str, ...], exact: tuple[str, ...] = ()) -> bool:
+    return module in exact or any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _is_bridge(module: str) -> bool:
+    return module == "bridge" or module.startswith("bridge.")
+
+
+def _violations(sources: dict[str, Path], allowed: tuple[str, ...], exact: tuple[str, ...] = ()) -> list[str]:
+    """`module:line: imported` for each import of `bridge` outside the packages
+    `allowed` and the modules `exact`; `sources` maps module names to their files."""
+    found = []
+    for name, path in sources.items():
+        for line, module in _imports(path, name):
+            if _is_bridge(module) and not _within(module, allowed, exact):
+                found.append(f"{name}:{line}: {module}")
+    return sorted(set(found))
+
+
+def _sources(*where: str) -> dict[str, Path]:
+    paths: list[Path] = []
+    for name in where:
+        target = BRIDGE / name
+        paths.extend(sorted(target.rglob("*.py")) if target.is_dir() else [target])
+    assert paths, where
+    return {_module_of(path): path for path in paths}
+
+
+def test_contract_imports_nothing_of_the_bridge() -> None:
+    found = _violations(_sources("contract"), ("bridge.contract",))
+    assert not found, "bridge.contract must be a leaf:\n" + "\n".join(found)
+
+
+def test_consumers_import_no_producer_module() -> None:
+    found = _violations(_sources("client", "tools", "access.py"), CONSUMER_ALLOWED, ROOT_VERSION)
+    assert not found, "consumers may import only " + ", ".join(CONSUMER_ALLOWED) + ":\n" + "\n".join(found)
+
+
+def test_the_rules_see_a_violation(tmp_path: Path) -> None:
+    """The check itself: a producer import, plain, relative or in a function, is caught."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from bridge.contract import GroupMessage\n"
+        "from bridge import __version__\n"
+        "from bridge import config\n"
+        "from bridge.sink.queue import OutBatch\n"
+        "from ..normalize import kinds\n"
+        "def f():\n"
+        "    import bridge.service\n",
+        encoding="utf-8",
+    )
+    found = _violations({"bridge.client.probe": probe}, CONSUMER_ALLOWED, ROOT_VERSION)
+    modules = {entry.rpartition(": ")[2] for entry in found}
+    assert {"bridge.sink.queue", "bridge.normalize", "bridge.service", "bridge.config"} <= modules, found
+    assert not any(m.startswith("bridge.contract") or m.endswith("__version__") for m in modules), found
