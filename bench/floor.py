@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from bench.stats import LatencyLog
-from bridge.decode.wire import KVEventBatch
+from bridge.contract import KVEventBatch
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ import nats
 import zmq
 import zmq.asyncio
 
-from bridge.decode.wire import KVEventBatch
+from bridge.contract import KVEventBatch
 
 
 async def bridge(endpoint: str, nats_url: str, worker: str, rcvhwm: int) -> None:

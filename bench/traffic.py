@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from bridge.decode.wire import BlockRemoved, BlockStored, KVEventBatch
+from bridge.contract import BlockRemoved, BlockStored, KVEventBatch
 from bridge.testing.workload import MAMBA, WINDOW, HybridWorkload
 
 # `[ts, events]` or `[ts, events, rank]`: a fixarray header, then msgspec's float64 (0xcb + 8 bytes).

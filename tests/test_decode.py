@@ -1,7 +1,7 @@
 import msgspec
 
+from bridge.contract import AllBlocksCleared, BlockRemoved, BlockStored
 from bridge.decode.decoder import BatchDecodeError, BatchDecoder
-from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from bridge.testing.wire_writer import cleared, encode_batch, removed, stored
 
 enc = msgspec.msgpack.Encoder().encode

@@ -7,8 +7,8 @@ import time
 import anyio
 import pytest
 
-from bridge.decode.wire import BlockRemoved as WireRemoved
-from bridge.decode.wire import BlockStored as WireStored
+from bridge.contract import BlockRemoved as WireRemoved
+from bridge.contract import BlockStored as WireStored
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.observe.metrics import MALFORMED_REASONS
 from tests.busutil import BusCollector, make_settings, metric, running_bridge

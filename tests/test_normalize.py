@@ -10,9 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from bridge.contract import GroupMessage, WorkerRecord
+from bridge.contract import MAX_GROUP_ID, GroupMessage, WorkerRecord, decoder_for, parse_group_kind
 from bridge.decode.decoder import BatchDecoder
-from bridge.normalize.kinds import MAX_GROUP_ID, parse_group_kind
 from bridge.normalize.normalizer import (
     BAD_GROUP,
     MAX_EVENTS_PER_BATCH,
@@ -24,8 +23,8 @@ from bridge.normalize.normalizer import (
     NormalizeStats,
     StreamIdentity,
 )
-from bridge.registry import GroupCatalog
-from bridge.sink.encode import MessageEncoder, decoder_for
+from bridge.sink.catalog import GroupCatalog
+from bridge.sink.encode import MessageEncoder
 from bridge.sink.queue import OutBatch
 from bridge.sink.subjects import SubjectBook
 

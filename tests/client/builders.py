@@ -7,9 +7,17 @@ import itertools
 from collections.abc import Sequence
 
 from bridge.client.hashes import as_int
-from bridge.contract import SCHEMA_VERSION, GroupMessage, KindSource, RecordType, WorkerRecord
-from bridge.decode.wire import BlockHash, BlockRemoved, BlockStored
-from bridge.normalize.kinds import family_of
+from bridge.contract import (
+    SCHEMA_VERSION,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    GroupMessage,
+    KindSource,
+    RecordType,
+    WorkerRecord,
+    family_of,
+)
 
 ATTN, STATE, WIN, OTHER_G = 0, 1, 2, 3
 KINDS = {ATTN: "full_attention", STATE: "mamba", WIN: "sliding_window", OTHER_G: "cross_attention"}

@@ -17,16 +17,9 @@ from nats.js.kv import VALID_KEY_RE
 
 from bridge.client.index import ResidencyIndex
 from bridge.client.registry import RegistryFollower, declare_entry
+from bridge.contract import GroupInfo, RankInfo, WorkerEntry, decode_entry, liveness, registry_key
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.registry import (
-    GroupInfo,
-    RankInfo,
-    WorkerEntry,
-    WorkerRegistry,
-    decode_entry,
-    liveness,
-    registry_key,
-)
+from bridge.sink.registry_writer import WorkerRegistry
 from bridge.testing.publisher import WirePublisher
 from bridge.testing.workload import HybridWorkload
 from tests.busutil import make_settings, running_bridge

@@ -16,8 +16,9 @@ from rich.console import Console
 
 from bridge.cli import main
 from bridge.client.index import ResidencyIndex
+from bridge.contract import GroupInfo, RankInfo, WorkerEntry, encode_entry, registry_key
 from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.registry import GroupInfo, RankInfo, WorkerEntry, WorkerRegistry, encode_entry, registry_key
+from bridge.sink.registry_writer import WorkerRegistry
 from bridge.testing.publisher import WirePublisher
 from bridge.testing.workload import HybridWorkload
 from bridge.tools.watch import RateMeter, build_table

@@ -24,9 +24,9 @@ import msgspec
 import pytest
 import zmq
 
-from bridge.contract import GroupMessage, WorkerRecord
+from bridge.contract import AllBlocksCleared, BlockRemoved, BlockStored, GroupMessage, WorkerRecord
 from bridge.decode.decoder import BatchDecoder
-from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored, RelayBlockStored
+from bridge.decode.wire import RelayBlockStored
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.observe.metrics import MALFORMED_REASONS
 from bridge.source.frames import END_SEQ, parse_pub, parse_replay

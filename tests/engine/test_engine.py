@@ -26,8 +26,8 @@ import psutil
 import pytest
 
 from bridge.client import ChainHasher, as_int
+from bridge.contract import ATTENTION
 from bridge.embedded.nats_server import NatsServerProcess
-from bridge.normalize.kinds import ATTENTION
 from tests.engine.harness import ROOT, Bus, Engine, bus_index, kv_bridge_process, ports, requires_engine, wait_until
 from tests.engine.models import VOCAB
 

@@ -13,8 +13,7 @@ position of a state group.
 from __future__ import annotations
 
 from bridge.client import ResidencyIndex
-from bridge.contract import GroupMessage
-from bridge.decode.wire import BlockRemoved, BlockStored
+from bridge.contract import BlockRemoved, BlockStored, GroupMessage
 from tests.client.builders import hb, msg
 
 B = 32

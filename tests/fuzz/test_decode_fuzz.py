@@ -16,10 +16,17 @@ import msgspec
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from bridge.contract import GroupMessage, WorkerRecord
+from bridge.contract import (
+    FAMILY_OF_KIND,
+    MAX_GROUP_ID,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GroupMessage,
+    WorkerRecord,
+    decoder_for,
+)
 from bridge.decode.decoder import BatchDecodeError, BatchDecoder, DecodedBatch
-from bridge.decode.wire import AllBlocksCleared, BlockRemoved, BlockStored
-from bridge.normalize.kinds import FAMILY_OF_KIND, MAX_GROUP_ID
 from bridge.normalize.normalizer import (
     MAX_MESSAGES_PER_BATCH,
     KindBook,
@@ -27,7 +34,7 @@ from bridge.normalize.normalizer import (
     NormalizeStats,
     StreamIdentity,
 )
-from bridge.sink.encode import MessageEncoder, decoder_for
+from bridge.sink.encode import MessageEncoder
 from bridge.sink.subjects import SubjectBook
 from tests.fuzz.strategies import any_junk, json_junk, mixed_batch
 

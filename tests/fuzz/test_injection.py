@@ -14,10 +14,17 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.config import ConfigError
-from bridge.contract import SCHEMA_VERSION, GroupMessage, WorkerRecord
-from bridge.decode.wire import BlockStored
+from bridge.contract import (
+    SCHEMA_VERSION,
+    BlockStored,
+    GroupMessage,
+    WorkerRecord,
+    clean_kind,
+    parse_worker_token,
+    validate_prefix,
+    worker_token,
+)
 from bridge.embedded.nats_server import NatsServerProcess
-from bridge.normalize.kinds import clean_kind
 from bridge.normalize.normalizer import (
     KindBook,
     Normalizer,
@@ -26,12 +33,7 @@ from bridge.normalize.normalizer import (
 )
 from bridge.service import Bridge
 from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import (
-    SubjectBook,
-    parse_worker_token,
-    validate_prefix,
-    worker_token,
-)
+from bridge.sink.subjects import SubjectBook
 from bridge.testing.publisher import WirePublisher
 from tests.busutil import BusCollector, endpoints, make_settings, running_bridge
 from tests.fuzz.live import good_batch, wait_good
