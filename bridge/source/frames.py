@@ -6,7 +6,9 @@ from typing import Final
 
 import msgspec
 
+# The seq of the replay socket's end marker, and its 8-byte big-endian frame.
 END_SEQ: Final = -1
+END_SEQ_FRAME: Final = END_SEQ.to_bytes(8, "big", signed=True)
 
 
 class Frame(msgspec.Struct, gc=False):
@@ -47,7 +49,7 @@ def parse_replay(parts: list[bytes], max_bytes: int) -> Frame:
         topic, seq, payload = b"", parts[1], parts[2]
     else:
         raise FrameError("frame_count", f"{len(parts)} replay frames")
-    if seq == b"\xff" * 8:
+    if seq == END_SEQ_FRAME:
         return Frame(topic, END_SEQ, b"")
     return _checked(topic, seq, payload, max_bytes)
 

@@ -11,7 +11,7 @@ from queue import Empty, Queue
 
 import zmq
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+from bridge.source.frames import END_SEQ_FRAME
 
 
 class WirePublisher:
@@ -85,7 +85,7 @@ class WirePublisher:
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        self._replay.send_multipart((client, b"", b"", END_SEQ_FRAME, b""))
 
     def send_raw(self, parts: list[bytes]) -> None:
         """Arbitrary frames on the PUB socket, in order with the batches: for
