@@ -35,7 +35,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     configure_logging(settings.log_format if args.log_format else "console", settings.log_level if args.log_level else "warning")
-    return anyio.run(run_demo, settings, args.batches, args.interval, args.events_per_batch)
+    if args.workers < 1:
+        print("kv-bridge demo: --workers must be at least 1", file=sys.stderr)
+        return 2
+    return anyio.run(run_demo, settings, args.batches, args.interval, args.events_per_batch, sys.stdout,
+                     args.workers, args.quiet)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batches", type=int, default=200, help="Batches the demo publisher sends.")
     demo.add_argument("--interval", type=float, default=0.05, help="Seconds between batches.")
     demo.add_argument("--events-per-batch", type=int, default=6, help="Events per batch.")
+    demo.add_argument("--workers", type=int, default=1,
+                      help="Simulated hybrid workers, each with its own bridge, into one nats-server.")
+    demo.add_argument("--quiet", action="store_true", help="No line per message; print each bridge's /metrics URL.")
     demo.set_defaults(func=_cmd_demo)
 
     for register in _tool_registrars():

@@ -9,7 +9,8 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 
 REGISTRARS: list[Registrar] = []
 
-from bridge.tools import tail, watch  # noqa: E402  (tool modules come after REGISTRARS exists)
+from bridge.tools import observe, tail, watch  # noqa: E402  (tool modules come after REGISTRARS exists)
 
 REGISTRARS.append(tail.register)
 REGISTRARS.append(watch.register)
+REGISTRARS.append(observe.register)

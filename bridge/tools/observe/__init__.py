@@ -1,0 +1,79 @@
+"""`kv-bridge observe`: a long-running consumer service. It follows
+`<prefix>.>` and the worker registry, keeps the residency index, and serves
+the cluster's state on /metrics, the router-facing API (GET /v1/workers,
+POST /v1/prefix) over HTTP and as a NATS micro service, /healthz and /readyz.
+docs/observe.md has the API and the metrics."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import anyio
+
+from bridge.access import ConfigError
+from bridge.client.access import access_settings, add_access_arguments
+from bridge.tools.observe.options import ObserveOptions, add_observe_arguments
+from bridge.tools.observe.service import ObserveService
+
+__all__ = ["ObserveOptions", "ObserveService", "register"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "observe", help="Consumer service: cluster residency on /metrics, prefix queries over HTTP and NATS.",
+        description="Follows the bus and the worker registry, keeps the residency index and serves /metrics "
+                    "(resident blocks by worker, group, family and medium; rates; duplication; hybrid effect; "
+                    "gaps, lag, staleness), GET /v1/workers, POST /v1/prefix, the same query as a NATS micro "
+                    "service, /healthz and /readyz. SIGTERM or Ctrl-C stops it.",
+    )
+    add_observe_arguments(parser)
+    add_access_arguments(parser)
+    parser.set_defaults(func=_cmd_observe)
+
+
+async def _main(service: ObserveService, settings: object) -> int:
+    rc = 0
+    async with anyio.create_task_group() as tg:
+        async def _signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def _run() -> None:
+            nonlocal rc
+            rc = await service.run(settings)  # type: ignore[arg-type]
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(_signals)
+        tg.start_soon(_run)
+    return rc
+
+
+def _configure_logging() -> None:
+    import logging
+
+    import structlog
+
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+def _cmd_observe(args: argparse.Namespace) -> int:
+    try:
+        settings = access_settings(args)
+        opts = ObserveOptions(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"kv-bridge observe: {exc}", file=sys.stderr)
+        return 2
+    _configure_logging()
+    try:
+        return anyio.run(_main, ObserveService(opts), settings)
+    except KeyboardInterrupt:
+        return 0
