@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from bridge import __version__
-from bridge.client.residency import WorkerKey
+from bridge.client.residency import WorkerKey, WorkerView
 from bridge.tools.observe.state import ObserveState
 
 LIVENESS = ("alive", "dead", "stopped")
@@ -74,7 +75,8 @@ class ObserveCollector(Collector):
             "kvobserve_resident_blocks",
             "Distinct block hashes held, per worker rank, group, family, medium and layer (trusted, suspect).",
             labels=["worker", "dp_rank", "group", "family", "medium", "layer"])
-        counts = index.fleet.resident_counts()
+        fleet = getattr(index, "fleet", None)
+        counts = fleet.resident_counts() if fleet is not None else _view_counts(listed)
         for c in counts:
             if WorkerKey(c.worker, c.dp_rank) not in keys:
                 continue
@@ -91,7 +93,7 @@ class ObserveCollector(Collector):
                                    labels=["group", "medium"])
         entries = GaugeMetricFamily("kvobserve_fleet_entries",
                                     "(worker rank, hash) entries, per group and medium.", labels=["group", "medium"])
-        for h in index.fleet.hash_counts():
+        for h in (fleet.hash_counts() if fleet is not None else []):
             labels = [str(h.group), h.medium if h.medium is not None else "any"]
             fleet_hashes.add_metric(labels, h.hashes)
             shared.add_metric(labels, h.shared)
@@ -188,6 +190,28 @@ class ObserveCollector(Collector):
         for (worker, rule), n in sorted(st.prefix_blocks.items()):
             pb.add_metric([worker, rule], n)
         yield pb
+
+
+class _Count(NamedTuple):
+    worker: str
+    dp_rank: int
+    group: int
+    family: str
+    medium: str
+    trusted: int
+    suspect: int
+
+
+def _view_counts(views: list[WorkerView]) -> list[_Count]:
+    """Resident counts from the views' public API, for an index without the
+    fleet structure's aggregates (and so without the duplication families)."""
+    out = []
+    for v in views:
+        for group, g in sorted(v.groups.items()):
+            for medium in sorted(g.media()):
+                out.append(_Count(v.key.worker, v.key.dp_rank, group, g.family, medium, g.resident(medium),
+                                  g.suspect_count(medium)))
+    return out
 
 
 def make_registry(state: ObserveState, hybrid: HybridCache, max_workers: int) -> CollectorRegistry:
