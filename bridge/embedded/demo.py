@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 
 from bridge.client.codec import BusCodec
 from bridge.config import Settings
-from bridge.contract import WorkerRecord
+from bridge.contract import BlockHash, WorkerRecord
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.service import Bridge
 from bridge.testing.publisher import WirePublisher
@@ -48,7 +48,7 @@ async def _feed(pub: WirePublisher, batches: int, interval: float, events_per_ba
 
 
 def _wide_state_batch(seed: int, i: int) -> bytes:
-    hashes = [hashlib.sha256(f"demo-state-{seed}-{i}-{k}".encode()).digest() for k in range(2)]
+    hashes: list[BlockHash] = [hashlib.sha256(f"demo-state-{seed}-{i}-{k}".encode()).digest() for k in range(2)]
     return encode_batch(time.time(), [stored(hashes, None, [], BLOCK_SIZE, medium="CPU", group_idx=MAMBA, kind="mamba")])
 
 

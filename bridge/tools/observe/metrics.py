@@ -166,11 +166,11 @@ class ObserveCollector(Collector):
         tally = dict.fromkeys(LIVENESS, 0)
         if st.follower is not None:
             for w in st.follower.entries:
-                status = st.follower.status(w, now)
-                if status is not None:
-                    tally[status] = tally.get(status, 0) + 1
-        for status, n in tally.items():
-            reg.add_metric([status], n)
+                found = st.follower.status(w, now)
+                if found is not None:
+                    tally[found] = tally.get(found, 0) + 1
+        for name, n in tally.items():
+            reg.add_metric([name], n)
         yield reg
 
         q = CounterMetricFamily("kvobserve_prefix_queries", "Prefix queries answered, by transport and result.",

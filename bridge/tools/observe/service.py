@@ -10,8 +10,8 @@ from typing import Any
 
 import anyio
 import msgspec
-import nats.micro
 import nats.js.errors
+import nats.micro
 import structlog
 from nats.micro.request import Request
 

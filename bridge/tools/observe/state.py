@@ -77,7 +77,8 @@ def query_chain(q: PrefixQuery) -> list[BlockHash]:
         hasher = ChainHasher(q.block_size, algo=q.algo, seed=q.seed)
     except ValueError as exc:
         raise QueryError(str(exc)) from None
-    return hasher.chain(q.token_ids, lora=q.lora, cache_salt=q.cache_salt)
+    out: list[BlockHash] = list(hasher.chain(q.token_ids, lora=q.lora, cache_salt=q.cache_salt))
+    return out
 
 
 class ObserveState:
@@ -140,7 +141,7 @@ class ObserveState:
         skip = self.follower.dead(now) if (self.follower is not None and not q.include_dead) else set()
         matches = self.index.longest_prefix(chain, media=q.media, include_suspect=q.include_suspect,
                                             skip_workers=skip)
-        workers = []
+        workers: list[dict[str, Any]] = []
         for m in matches:
             view = self.index.view(m.worker, m.dp_rank)
             attention = self._attention_limit(view, m.limits)
