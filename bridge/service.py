@@ -19,7 +19,7 @@ from bridge.embedded.nats_server import NatsServerProcess
 from bridge.observe.health import Health
 from bridge.observe.http import serve_http
 from bridge.observe.metrics import Metrics
-from bridge.pipeline import StreamPipeline, StreamPlan
+from bridge.pipeline import StreamPipeline, StreamPlan, StreamSettings
 from bridge.registry import CatalogQueue, GroupCatalog, WorkerEntry, WorkerRegistry, ttl_for
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.jetstream import ensure_stream, last_point
@@ -105,16 +105,12 @@ class Bridge:
         log.info("bridge_starting", version=__version__, settings=s.redacted())
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         encoder = MessageEncoder(s.format)
+        shared = StreamSettings.of(s)
         for index, (rank, endpoint, replay) in enumerate(s.stream_endpoints()):
             self._pipelines.append(
                 StreamPipeline(
-                    StreamPlan(index, rank, endpoint, replay), worker=s.worker_id, topic=s.topic,
-                    prefix=s.subject_prefix, pinned_kinds=s.group_kind, keep_placeholders=s.keep_placeholders,
-                    max_frame_bytes=s.max_frame_bytes, rcvhwm=s.zmq_rcvhwm, coalesce_s=s.coalesce_ms / 1000,
-                    replay_timeout=s.replay_timeout,
-                    idle_probe_s=s.idle_probe_interval, max_payload=self._max_payload,
-                    nats_up=lambda: self.health.nats_connected,
-                    ctx=ctx, queue=self.queue, encoder=encoder, metrics=self.metrics,
+                    StreamPlan(index, rank, endpoint, replay), shared, ctx=ctx, queue=self.queue, encoder=encoder,
+                    metrics=self.metrics, max_payload=self._max_payload, nats_up=lambda: self.health.nats_connected,
                 )
             )
         stop = stop or anyio.Event()

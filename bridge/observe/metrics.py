@@ -143,7 +143,7 @@ class _HotCollector(Collector):
                        m.js_window_waits)
         yield _counter("kvbridge_js_window_wait_seconds",
                        "Seconds publishing waited for JetStream acks (the ack window was full).", m.js_window_wait_s)
-        messages, size = m.js_in_flight()
+        messages, size = m._js_in_flight()
         yield GaugeMetricFamily("kvbridge_js_in_flight_messages", "JetStream publishes awaiting their ack.",
                                 value=messages)
         yield GaugeMetricFamily("kvbridge_js_in_flight_bytes", "Encoded bytes of JetStream publishes awaiting their ack.",
@@ -170,16 +170,16 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.info = Gauge("kvbridge_info", "Bridge build and identity.", ["version", "worker"], registry=r)
-        self.malformed = Counter(
+        malformed = Counter(
             "kvbridge_malformed_total", "Frames, batches or events rejected as malformed, by reason.", ["reason"],
             registry=r,
         )
-        self.gaps = Counter(
+        gaps = Counter(
             "kvbridge_gaps_total", f"Gap records published (lost or incomplete ranges), by reason: {', '.join(GAP_REASONS)}.",
             ["reason"], registry=r,
         )
         self.gap_batches = Counter("kvbridge_gap_batches_total", "vLLM batches announced lost.", registry=r)
-        self.replays = Counter(
+        replays = Counter(
             "kvbridge_replays_total", "Replay requests, by result (complete, timeout, probe: an idle-time check).",
             ["result"], registry=r,
         )
@@ -198,10 +198,12 @@ class Metrics:
             "JetStream messages given up after the stream refused them repeatedly (their batch is named by a gap).",
             registry=r,
         )
-        # Bound up front, so every reason shows (as 0) before it first happens;
-        # other values are bound on first use.
-        self.malformed_by = Children(self.malformed, MALFORMED_REASONS)
-        self.gaps_by = Children(self.gaps, GAP_REASONS)
+        # Labelled counters are used through their children, by label value.
+        # Reasons are bound up front, so each shows (as 0) before it first
+        # happens; other values are bound on first use.
+        self.malformed_by = Children(malformed, MALFORMED_REASONS)
+        self.gaps_by = Children(gaps, GAP_REASONS)
+        self.replays_by = Children(replays)
         # The hot path's own, exported by _HotCollector under the same names.
         self.batches_in = Count()
         self.events_in = Count()
@@ -212,13 +214,16 @@ class Metrics:
         self.transformed_by = CountBy()
         self.last_seq = LevelBy()
         self.queue_depth = Level()
-        # (messages, bytes) awaiting a JetStream ack: read at scrape time from
-        # the sink's ack window, which sets this once it exists.
-        self.js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
+        self._js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
         self.lag = Buckets(LAG_BUCKETS)
         self.js_window_waits = Count()
         self.js_window_wait_s = Count()
         r.register(_HotCollector(self))
+
+    def watch_in_flight(self, read: Callable[[], tuple[int, int]]) -> None:
+        """`read` says (messages, bytes) awaiting a JetStream ack: the sink's
+        ack window registers it once it exists, and scrapes call it."""
+        self._js_in_flight = read
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -93,7 +93,7 @@ class NatsSink:
         self.published_batches = 0
         self._last_seq: dict[int, Any] = {}
         self._closing = False
-        metrics.js_in_flight = self.in_flight
+        metrics.watch_in_flight(self.in_flight)
         self._on_refused = on_refused
         self._path = select_path(fast_path)
         self._last_refused: OutBatch | None = None
