@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from bridge.contract import MAX_GROUP_ID, WORKER_TOKEN, validate_worker_id, worker_token
 
-# validate_worker_id and worker_token: the contract's, still imported from here
-# by modules not yet moved to it.
-__all__ = ["SubjectBook", "validate_worker_id", "worker_token"]
+# validate_worker_id: the contract's, still imported from here by config.py.
+__all__ = ["SubjectBook", "validate_worker_id"]
 
 
 class SubjectBook:
