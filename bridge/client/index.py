@@ -52,8 +52,8 @@ from bridge.client.prefix import _group_limit as group_limit
 from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
 from bridge.client.subscribe import BusMessage, Interruption
 from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
-from bridge.decode.wire import BlockHash, BlockStored
-from bridge.normalize.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
+from bridge.contract.events import BlockHash, BlockStored
+from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
 
 DEFAULT_MEDIUM = GPU_MEDIUM  # vLLM before media existed reported only its GPU block pool
 MAX_LOST_RANGES = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from bridge.decode.wire import BlockHash
+from bridge.contract.events import BlockHash
 
 Table = dict[BlockHash, int]
 

@@ -93,7 +93,7 @@ class ObserveCollector(Collector):
                                    labels=["group", "medium"])
         entries = GaugeMetricFamily("kvobserve_fleet_entries",
                                     "(worker rank, hash) entries, per group and medium.", labels=["group", "medium"])
-        for h in (fleet.hash_counts() if fleet is not None else []):
+        for h in (fleet.hash_counts() if fleet is not None else _view_hash_counts(views)):
             labels = [str(h.group), h.medium if h.medium is not None else "any"]
             fleet_hashes.add_metric(labels, h.hashes)
             shared.add_metric(labels, h.shared)
@@ -212,6 +212,35 @@ def _view_counts(views: list[WorkerView]) -> list[_Count]:
                 out.append(_Count(v.key.worker, v.key.dp_rank, group, g.family, medium, g.resident(medium),
                                   g.suspect_count(medium)))
     return out
+
+
+class _HashCount(NamedTuple):
+    group: int
+    medium: str | None  # None: over every medium
+    hashes: int
+    shared: int
+    entries: int
+
+
+def _view_hash_counts(views: list[WorkerView]) -> list[_HashCount]:
+    """Duplication from the views' trusted tables, for an index without the
+    fleet structure's aggregates: one pass over every resident entry."""
+    holders: dict[tuple[int, str | None], dict[object, int]] = {}
+    for v in views:
+        for group, g in v.groups.items():
+            seen_any: set[object] = set()
+            for medium, table in g.trusted.items():
+                per = holders.setdefault((group, medium), {})
+                for h in table:
+                    per[h] = per.get(h, 0) + 1
+                seen_any.update(table)
+            per_any = holders.setdefault((group, None), {})
+            for held in seen_any:
+                per_any[held] = per_any.get(held, 0) + 1
+    return [
+        _HashCount(group, medium, len(per), sum(1 for n in per.values() if n > 1), sum(per.values()))
+        for (group, medium), per in sorted(holders.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
+    ]
 
 
 def make_registry(state: ObserveState, hybrid: HybridCache, max_workers: int) -> CollectorRegistry:
