@@ -26,8 +26,7 @@ from bridge.access import (
     check_prefix,
     redact_url,
 )
-from bridge.normalize.kinds import parse_group_kind
-from bridge.sink.subjects import validate_worker_id
+from bridge.contract import parse_group_kind, validate_worker_id
 
 # Per output format: what one frame may cost in memory once decoded stays
 # under the chart's 512 Mi limit (tests/test_hostile.py measures it).
@@ -65,7 +64,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--stream-max-bytes", "int", 1024 * 1024 * 1024, "Stream limit: bytes kept, oldest messages dropped first (-1: no bound)."),
     Option("--stream-max-msgs-per-subject", "int", -1, "Stream limit: messages kept per subject (-1: no bound). Costly at high rates: nats-server then deletes one old message of that subject, scattered through its files, for every new one."),
     Option("--stream-duplicate-window", "float", 120.0, "Stream de-duplication window in seconds (Nats-Msg-Id)."),
-    Option("--stream-replicas", "int", 1, "Stream replicas."),
+    Option("--stream-replicas", "int", 1,
+           "Replicas of the stream the bridge creates (1-5; 3 on a three-server cluster). An existing stream keeps its own (a differing one is logged)."),
     Option("--js-max-pending", "int", 16384, "JetStream publishes in flight without an ack: enough to ride out a stream's pauses of a few hundred ms without holding up live delivery (a reconnect sends them again; --js-max-pending-bytes bounds their memory)."),
     Option("--js-max-pending-bytes", "int", 64 * 1024 * 1024, "Encoded bytes of JetStream publishes in flight without an ack (the window's memory bound for large batches)."),
     Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
@@ -211,6 +211,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     check(values["js_max_pending"] >= 1, "--js-max-pending", "must be at least 1")
     check(values["js_max_pending_bytes"] >= 1024 * 1024, "--js-max-pending-bytes", "must be at least 1 MiB")
     check(values["js_ack_timeout"] > 0, "--js-ack-timeout", "must be positive")
+    check(1 <= values["stream_replicas"] <= 5, "--stream-replicas", "must be 1..5 (NATS keeps at most 5 replicas)")
     check(values["heartbeat_interval"] > 0, "--heartbeat-interval", "must be positive")
     settings = msgspec.convert(values, Settings)
     check_access(settings)

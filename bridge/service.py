@@ -10,21 +10,27 @@ from contextlib import ExitStack
 import anyio
 import anyio.abc
 import msgspec
+import nats.errors
+import nats.js
+import nats.js.errors
 import structlog
 import zmq
 
 from bridge import __version__
 from bridge.config import Settings
+from bridge.contract import WorkerEntry
 from bridge.embedded.nats_server import NatsServerProcess
 from bridge.observe.health import Health
 from bridge.observe.http import serve_http
 from bridge.observe.metrics import Metrics
 from bridge.pipeline import StreamPipeline, StreamPlan, StreamSettings
-from bridge.registry import CatalogQueue, GroupCatalog, WorkerEntry, WorkerRegistry, ttl_for
+from bridge.registry import CatalogQueue
+from bridge.sink.catalog import GroupCatalog
 from bridge.sink.encode import MessageEncoder
-from bridge.sink.jetstream import ensure_stream, last_point
+from bridge.sink.jetstream import ResumePoint, StreamConfigError, ensure_stream, last_point
 from bridge.sink.publisher import NatsSink
 from bridge.sink.queue import LostRange, OutBatch
+from bridge.sink.registry_writer import WorkerRegistry, ttl_for
 
 log = structlog.get_logger("bridge.service")
 
@@ -49,7 +55,7 @@ class Bridge:
             self.metrics.dropped_by["queue_overflow"].inc, settings.max_buffered_bytes,
         )
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
-                             fast_path=nats_fast_path)
+                             on_reordered=self._reordered, fast_path=nats_fast_path)
         self._subscribed = 0
         self.ready = anyio.Event()
 
@@ -87,6 +93,31 @@ class Bridge:
 
     def _refused(self, batch: OutBatch) -> None:
         self._pipelines[batch.stream].refused(batch)
+
+    def _reordered(self, batches: list[OutBatch]) -> None:
+        """JetStream stored these batches after a later batch of their worker
+        and rank (a lost ack's copy, sent again, landed behind messages a new
+        stream leader had already taken): a reader that takes a message at or
+        before its last applied one for a copy drops them, so a `gap` record
+        (reason `reordered`) names each run of them. It follows them."""
+        runs: dict[tuple[int, int], list[int]] = {}
+        for batch in batches:
+            runs.setdefault((batch.stream, batch.epoch), []).append(batch.seq)
+        for (stream, epoch), seqs in runs.items():
+            pipeline = self._pipelines[stream]
+            seqs.sort()
+            first = last = seqs[0]
+            for seq in [*seqs[1:], None]:
+                if seq is not None and seq <= last + 1:
+                    last = max(last, seq)
+                    continue
+                self.metrics.gaps_by["reordered"].inc()
+                self.metrics.gap_batches.inc(last - first + 1)
+                log.warning("gap", worker=self.settings.worker_id, dp_rank=pipeline.plan.dp_rank, first=first,
+                            last=last, epoch=epoch, reason="reordered")
+                self.queue.put(pipeline.record("gap", gap=(first, last), reason="reordered", epoch=epoch))
+                if seq is not None:
+                    first = last = seq
 
     def _on_subscribed(self) -> None:
         self._subscribed += 1
@@ -155,16 +186,95 @@ class Bridge:
 
     async def _resume_then_read(self, readers: anyio.abc.TaskGroup, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
-        assert self.sink.js is not None
-        await ensure_stream(self.sink.js, self.settings)
-        for pipeline in self._pipelines:
-            point = await last_point(self.sink.js, self.settings.stream_name, pipeline.subjects.base)
+        points = await self._open_stream()
+        for pipeline, point in zip(self._pipelines, points):
             if point is not None:
                 pipeline.resume(point)
         await self._start_registry(tg)
         tg.start_soon(self.sink.run)
         for pipeline in self._pipelines:
             readers.start_soon(pipeline.run, self._on_subscribed)
+
+
+    async def _open_stream(self) -> list[ResumePoint | None]:
+        """The stream made or verified, and each pipeline's resume point read
+        back. Until both answer (a cluster without a JetStream leader yet, a
+        new replicated stream whose replicas do not answer direct gets yet, a
+        stream the operator must fix, a permission missing) the bridge says
+        why, retries, and stays not ready; nothing is read from ZMQ meanwhile
+        (vLLM's replay buffer holds it). A rank whose last message the NATS
+        user may not read back starts fresh instead (said once)."""
+        js = self.sink.js
+        assert js is not None
+        s = self.settings
+        delay = 0.2
+        created = False
+        points: list[ResumePoint | None] = []
+        while len(points) < len(self._pipelines):
+            pipeline = self._pipelines[len(points)]
+            try:
+                if not created:
+                    await ensure_stream(js, s)
+                    created = True
+                found, point = await self._read_point(js, pipeline)
+            except (StreamConfigError, *_NOT_YET) as exc:
+                self.health.stream_ready = False
+                event = "stream_refused" if isinstance(exc, StreamConfigError) else "stream_not_ready"
+                getattr(log, "error" if event == "stream_refused" else "warning")(
+                    event, stream=s.stream_name, step="resume point" if created else "stream",
+                    error=type(exc).__name__, detail=str(exc)[:200], retry_in=delay,
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if not found:
+                log.error("resume_point_forbidden", stream=s.stream_name, subject=f"{pipeline.subjects.base}.>",
+                          dp_rank=pipeline.plan.dp_rank, hint="the NATS user may not read back this rank's "
+                          "last message (direct get): it starts fresh")
+            points.append(point)
+        self.health.stream_ready = True
+        return points
+
+    async def _read_point(self, js: nats.js.JetStreamContext, pipeline: StreamPipeline) -> tuple[bool, ResumePoint | None]:
+        """(True, the stream's last point for the pipeline's subjects), or
+        (False, None) as soon as the server refuses the direct get."""
+        s = self.settings
+        base = pipeline.subjects.base
+        request = f"$JS.API.DIRECT.GET.{s.stream_name}.{base}.>"
+        outcome: list[tuple[bool, ResumePoint | None] | BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def get() -> None:
+                try:
+                    outcome.append((True, await last_point(js, s.stream_name, base)))
+                except _NOT_YET as exc:
+                    outcome.append(exc)
+                tg.cancel_scope.cancel()
+
+            async def refused() -> None:
+                while not self.sink.denied(request):
+                    await anyio.sleep(0.05)
+                outcome.append((False, None))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(get)
+            tg.start_soon(refused)
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+
+# What the stream's set-up may answer while it is not ready yet.
+_NOT_YET = (
+    nats.errors.NoRespondersError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.APIError,
+    TimeoutError,
+    OSError,
+)
 
 
 async def _stop_on_signal(stop: anyio.Event) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from bridge.sink.acks import AckWindow, ack_error, take_acks
+from bridge.sink.acks import AckWindow, ack_error, ack_seq, take_acks
 from bridge.sink.encode import Outgoing
 from bridge.sink.nats_fastpath import BridgeClient
 from bridge.sink.queue import OutBatch
@@ -32,30 +32,154 @@ def test_ack_error_tells_pubacks_from_refusals() -> None:
     assert ack_error(b"garbage", None) == "not a PubAck"
 
 
-def test_acks_settle_by_token_in_any_order_and_refusals_come_back_with_their_batch() -> None:
+def _batch(seq: int, stream: int = 0) -> OutBatch:
+    return OutBatch(stream=stream, epoch=7, seq=seq, vllm_ts=0.0, messages=[])
+
+
+def _pub(token: int, seq: int, duplicate: bool = False) -> tuple[bytes, bytes, None]:
+    dup = b',"duplicate":true' if duplicate else b""
+    return b"_I.%d" % token, b'{"stream":"S","seq":%d%s}' % (seq, dup), None
+
+
+def test_ack_seq_reads_the_stream_sequence() -> None:
+    assert ack_seq(b'{"stream":"KV_EVENTS","seq":12}') == 12
+    assert ack_seq(b'{"stream":"KV_EVENTS","domain":"d","seq":70123,"duplicate":true}') == 70123
+    assert ack_seq(b'{"stream":"KV_EVENTS"}') == -1
+
+
+def test_acks_settle_by_token_in_any_order_and_an_error_reply_keeps_the_message() -> None:
     win = AckWindow("_INBOX.abc")
     batch = OutBatch(stream=0, epoch=7, seq=41, vllm_ts=0.0, messages=[_msg(0)])
     replies = [win.reply_to(_msg(i), generation=0, now=0.0, origin=batch if i == 0 else None) for i in range(4)]
     assert replies == [f"_INBOX.abc.{i}" for i in range(4)] and len(win) == 4
-    win.on_ack(b"_INBOX.abc.2", b'{"stream":"S","seq":1}', None)
     win.on_ack(b"_INBOX.abc.0", b'{"error":{"code":500,"description":"boom"}}', None)
+    assert win.trouble and len(win) == 4
+    head = win.head()
+    assert head is not None and head[0] == 0 and "boom" in head[1].error and head[1].origin is batch
+    win.on_ack(b"_INBOX.abc.2", b'{"stream":"S","seq":1}', None)
+    win.on_ack(b"_INBOX.abc.0", b'{"stream":"S","seq":2}', None)  # a later copy's ack settles it
     win.on_ack(b"_INBOX.abc.0", b'{"stream":"S","seq":2}', None)  # a late duplicate ack: ignored
     win.on_ack(b"_INBOX.abc.junk", b'{"stream":"S","seq":3}', None)
-    assert len(win) == 2
-    assert [(m.subject, b, "boom" in why) for m, b, why in win.failed] == [("kv.w.0", batch, True)]
+    assert len(win) == 2 and [t for t, _ in win.unsettled()] == [1, 3]
 
 
-def test_overdue_takes_out_the_late_and_those_of_a_lost_connection_oldest_first() -> None:
+def test_in_order_acks_raise_no_trouble_and_keep_no_records() -> None:
+    win = AckWindow("_I")
+    for i in range(100):
+        win.reply_to(_msg(i), 0, 0.0, _batch(i))
+    for i in range(100):
+        win.on_ack(*_pub(i, 1000 + i))
+    assert not win.trouble and not win.reordered and not win._ahead and not win._resent  # noqa: SLF001
+    assert win.head() is None and len(win) == 0
+
+
+def test_an_ack_that_overtakes_an_older_unacked_one_is_trouble() -> None:
     win = AckWindow("_I")
     for i in range(3):
-        win.reply_to(_msg(i), generation=0, now=float(i))
-    win.reply_to(_msg(3), generation=1, now=3.0)
-    assert win.first_generation() == 0 and win.oldest_age(4.0) == 4.0
-    # generation 1 is current: everything sent on generation 0 is owed again.
-    assert [m.subject for m, _ in win.overdue(now=3.5, timeout=5.0, generation=1)] == ["kv.w.0", "kv.w.1", "kv.w.2"]
-    assert win.overdue(now=3.5, timeout=5.0, generation=1) == []
-    assert [m.subject for m, _ in win.overdue(now=9.0, timeout=5.0, generation=1)] == ["kv.w.3"]
-    assert len(win) == 0
+        win.reply_to(_msg(i), 0, 0.0, _batch(i))
+    win.on_ack(*_pub(1, 10))
+    assert win.trouble == "an ack overtook an older unacked message"
+
+
+def test_a_copy_sent_again_keeps_its_token_and_place() -> None:
+    win = AckWindow("_I")
+    for i in range(3):
+        win.reply_to(_msg(i), 0, 0.0, _batch(i))
+    before = win.wire
+    messages, replies = win.resend([0, 2], generation=1, now=5.0)
+    assert [m.subject for m in messages] == ["kv.w.0", "kv.w.2"] and replies == ["_I.0", "_I.2"]
+    assert [t for t, _ in win.unsettled()] == [0, 1, 2]
+    head = win.head()
+    assert head is not None and head[1].wire == before and head[1].generation == 1 and head[1].resends == 1
+    # the original of 1 acked after the copy of 0 went out: not evidence of a loss
+    win.on_ack(*_pub(1, 10))
+    assert not win.trouble
+
+
+def test_a_lost_message_stored_again_after_newer_ones_is_reordered() -> None:
+    """A leader change: 0 and 1 lost, 2 and 3 stored by the new leader, then
+    0 and 1 sent again and stored behind them. Both are named; 2 and 3 are not."""
+    win = AckWindow("_I")
+    batches = [_batch(i) for i in range(4)]
+    for i in range(4):
+        win.reply_to(_msg(i), 0, 0.0, batches[i])
+    win.on_ack(*_pub(2, 100))
+    win.on_ack(*_pub(3, 101))
+    assert win.trouble
+    win.resend([0, 1], 0, 1.0)
+    win.on_ack(*_pub(0, 102))
+    win.on_ack(*_pub(1, 103))
+    assert [b.seq for b in win.take_reordered()] == [0, 1]
+    assert len(win) == 0 and not win._ahead and not win._resent  # noqa: SLF001
+
+
+def test_copies_sent_again_that_were_stored_in_order_are_not_reordered() -> None:
+    """The acks were lost, not the messages: the copies' acks are duplicates
+    naming the first copies' places, which are in order."""
+    win = AckWindow("_I")
+    for i in range(3):
+        win.reply_to(_msg(i), 0, 0.0, _batch(i))
+    win.resend([0, 1, 2], 1, 1.0)
+    for i in range(3):
+        win.on_ack(*_pub(i, 50 + i, duplicate=True))
+    assert win.take_reordered() == []
+
+
+def test_a_newer_message_acked_late_still_reveals_the_older_one_stored_after_it() -> None:
+    """1 was stored first but its ack was lost; 0, sent again, is stored after
+    it and acked; 1's copy is acked last, as a duplicate naming its earlier
+    place. 0 is the late one."""
+    win = AckWindow("_I")
+    for i in range(2):
+        win.reply_to(_msg(i), 0, 0.0, _batch(i))
+    win.resend([0, 1], 1, 1.0)
+    win.on_ack(*_pub(0, 20))
+    assert win.take_reordered() == []
+    win.on_ack(*_pub(1, 19, duplicate=True))
+    assert [b.seq for b in win.take_reordered()] == [0]
+
+
+def test_reordering_is_judged_per_worker_and_rank() -> None:
+    win = AckWindow("_I")
+    win.reply_to(_msg(0), 0, 0.0, _batch(0, stream=0))
+    win.reply_to(_msg(1), 0, 0.0, _batch(0, stream=1))
+    win.on_ack(*_pub(1, 10))  # rank 1's batch overtakes rank 0's
+    win.resend([0], 0, 1.0)
+    win.on_ack(*_pub(0, 11))
+    assert win.take_reordered() == []
+
+
+def test_a_late_record_names_the_batches_that_overtook_it() -> None:
+    win = AckWindow("_I")
+    win.reply_to(_msg(0), 0, 0.0, OutBatch(stream=0, epoch=7, seq=-1, vllm_ts=0.0, messages=[]))
+    win.reply_to(_msg(1), 0, 0.0, _batch(5))
+    win.on_ack(*_pub(1, 10))
+    win.resend([0], 0, 1.0)
+    win.on_ack(*_pub(0, 11))
+    assert [b.seq for b in win.take_reordered()] == [5]
+
+
+@pytest.mark.anyio
+async def test_wait_settled_tells_stored_refused_and_silent_apart() -> None:
+    win = AckWindow("_I")
+    for i in range(3):
+        win.reply_to(_msg(i), 0, 0.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_acks_after, win, 0.02, [0])
+        assert await win.wait_settled(0, 5.0) == "settled"
+    win.on_ack(b"_I.1", b'{"error":{"code":503,"err_code":10008,"description":"x"}}', None)
+    assert await win.wait_settled(1, 5.0) == "error"
+    assert await win.wait_settled(2, 0.05) == "timeout"
+
+
+def test_give_up_takes_a_message_out_for_good() -> None:
+    win = AckWindow("_I")
+    for i in range(3):
+        win.reply_to(Outgoing(f"kv.w.{i % 2}", b"x", {}, "attention", 1), 0, 0.0)
+    assert win.first_with_subject("kv.w.1") == 1
+    entry = win.give_up(1)
+    assert entry is not None and entry.msg.subject == "kv.w.1"
+    assert [t for t, _ in win.unsettled()] == [0, 2] and win.first_with_subject("kv.w.1") is None
 
 
 def test_forget_since_drops_a_write_that_never_left() -> None:
@@ -66,7 +190,7 @@ def test_forget_since_drops_a_write_that_never_left() -> None:
     win.forget_since(first)
     assert len(win) == 1
     win.on_ack(b"_I.0", b'{"stream":"S","seq":1}', None)
-    assert len(win) == 0 and not win.failed
+    assert len(win) == 0 and not win.trouble
 
 
 def test_the_window_counts_its_bytes_and_waits_for_room_by_bytes() -> None:
@@ -78,13 +202,13 @@ def test_the_window_counts_its_bytes_and_waits_for_room_by_bytes() -> None:
     assert win.bytes == 4 * 1024
     win.on_ack(b"_I.0", b'{"stream":"S","seq":1}', None)
     win.on_ack(b"_I.1", b'{"error":{"code":500,"description":"boom"}}', None)
-    assert win.bytes == 2 * 1024  # a refused one is no longer in flight: it waits in `failed`
-    assert [m.subject for m, _ in win.overdue(now=10.0, timeout=5.0, generation=0)] == ["kv.w.2", "kv.w.3"]
-    assert win.bytes == 0
+    assert win.bytes == 3 * 1024  # a refused one is still in the window: it goes again or is given up
+    win.give_up(1)
+    assert win.bytes == 2 * 1024
     for i in range(4, 7):
         last = win.reply_to(big(i), 0, 20.0)
     win.forget_since(last)
-    assert win.bytes == 2 * 1024 and replies[0] == "_I.0"
+    assert win.bytes == 4 * 1024 and replies[0] == "_I.0"
 
 
 async def _acks_after(win: AckWindow, delay: float, tokens: list[int]) -> None:

@@ -292,3 +292,52 @@ async def test_a_stream_deleted_under_a_running_bridge_is_made_again(nats_server
                     await anyio.sleep(0.1)
     finally:
         pub.close()
+
+
+async def test_a_resume_point_that_does_not_answer_yet_is_waited_for_not_a_crash(
+    nats_server: NatsServerProcess, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new replicated stream's replicas may not answer a direct get for a
+    moment (NoRespondersError). Found at 8c18139 on a three-server cluster: the
+    error left the task group and the bridge exited 1. Now it is not ready,
+    says so, and tries again."""
+    import bridge.service as service
+    from bridge.sink.jetstream import last_point
+
+    calls = {"n": 0}
+    readiness: list[bool] = []
+
+    async def flaky(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise nats.errors.NoRespondersError
+        return await last_point(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(service, "last_point", flaky)
+    pub, settings = _publisher_and_settings(nats_server.url)
+    workload = HybridWorkload(seed=5)
+    bridge = Bridge(settings)
+    stop = anyio.Event()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            readiness.append(bridge.health.ready())
+            await anyio.sleep(0.05)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bridge.run, stop)
+            tg.start_soon(watch)
+            with anyio.fail_after(15):
+                await bridge.ready.wait()
+            assert bridge.health.stream_ready
+            for _ in range(5):
+                pub.publish(workload.batch(4))
+            await wait_published(bridge, 5)
+            stop.set()
+    finally:
+        pub.close()
+    assert calls["n"] >= 4
+    assert readiness and not readiness[0], "ready before the resume point answered"
+    keys = group_keys(await stream_contents(nats_server.url))
+    assert {seq for _, seq, _ in keys} == set(range(5))

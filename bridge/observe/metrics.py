@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from bridge.normalize.kinds import FAMILIES
+from bridge.contract import FAMILIES
 
 MALFORMED_REASONS = (
     "frame_count", "bad_seq", "too_large", "bad_topic", "bad_batch", "bad_event", "unknown_event_type",
@@ -28,10 +28,13 @@ DROPPED_REASONS = (
 )
 # Why a gap record names a range: lost on the way (replay_incomplete,
 # replay_timeout, no_replay_endpoint, queue_overflow), not publishable
-# (unpublishable, refused), or received but not wholly decodable (malformed).
+# (unpublishable, refused), received but not wholly decodable (malformed), or
+# stored by JetStream after a later batch of the same worker and rank, which a
+# reader that takes anything at or before its last applied for a copy drops
+# (reordered).
 GAP_REASONS = (
     "replay_incomplete", "replay_timeout", "no_replay_endpoint", "queue_overflow", "unpublishable", "refused",
-    "malformed",
+    "malformed", "reordered",
 )
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -197,6 +200,23 @@ class Metrics:
             "kvbridge_js_refused_total",
             "JetStream messages given up after the stream refused them repeatedly (their batch is named by a gap).",
             registry=r,
+        )
+        self.js_recoveries = Counter(
+            "kvbridge_js_recoveries_total",
+            "Times JetStream publishing paused on a lost ack (no ack for a while, an error reply, an ack that "
+            "overtook an older one, a reconnect) until the oldest unacked message was stored again.",
+            registry=r,
+        )
+        self.js_reordered = Counter(
+            "kvbridge_js_reordered_total",
+            "vLLM batches JetStream stored after a later batch of the same worker and rank (each named by a "
+            "gap record, reason reordered).",
+            registry=r,
+        )
+        self.nats_permission_denied = Counter(
+            "kvbridge_nats_permission_denied_total",
+            "Permission violations the NATS server reported, by operation (publish, subscribe).",
+            ["operation"], registry=r,
         )
         # Labelled counters are used through their children, by label value.
         # Reasons are bound up front, so each shows (as 0) before it first

@@ -60,9 +60,10 @@ def stream_config(settings: Settings) -> nats.js.api.StreamConfig:
     )
 
 
-async def ensure_stream(js: nats.js.JetStreamContext, settings: Settings) -> None:
-    """Create the stream, or check that an existing one can take our subjects.
-    An existing stream's limits are the operator's: they are logged, not changed."""
+async def ensure_stream(js: nats.js.JetStreamContext, settings: Settings) -> bool:
+    """Create the stream (True), or check that an existing one can take our
+    subjects (False). An existing stream's limits and replicas are the
+    operator's: they are logged, not changed."""
     wanted = stream_config(settings)
     try:
         info = await js.stream_info(settings.stream_name)
@@ -70,8 +71,8 @@ async def ensure_stream(js: nats.js.JetStreamContext, settings: Settings) -> Non
         await js.add_stream(wanted)
         log.info("stream_created", stream=settings.stream_name, subjects=wanted.subjects, max_age=wanted.max_age,
                  max_bytes=wanted.max_bytes, max_msgs_per_subject=wanted.max_msgs_per_subject,
-                 duplicate_window=wanted.duplicate_window)
-        return
+                 duplicate_window=wanted.duplicate_window, replicas=wanted.num_replicas)
+        return True
     have = info.config
     subject = f"{settings.subject_prefix}.>"
     if subject not in (have.subjects or []):
@@ -81,7 +82,12 @@ async def ensure_stream(js: nats.js.JetStreamContext, settings: Settings) -> Non
     if not have.allow_direct:
         raise StreamConfigError(f"stream {settings.stream_name} needs allow_direct for resume")
     log.info("stream_verified", stream=settings.stream_name, max_age=have.max_age, max_bytes=have.max_bytes,
-             max_msgs_per_subject=have.max_msgs_per_subject, duplicate_window=have.duplicate_window)
+             max_msgs_per_subject=have.max_msgs_per_subject, duplicate_window=have.duplicate_window,
+             replicas=have.num_replicas, leader=info.cluster.leader if info.cluster else None)
+    if have.num_replicas != wanted.num_replicas:
+        log.warning("stream_replicas_differ", stream=settings.stream_name, replicas=have.num_replicas,
+                    asked=wanted.num_replicas, hint="an existing stream keeps its configuration")
+    return False
 
 
 async def last_point(js: nats.js.JetStreamContext, stream: str, subject_base: str) -> ResumePoint | None:

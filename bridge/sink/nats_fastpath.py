@@ -68,6 +68,11 @@ class NatsPath(Protocol):
         the connection, in order. Raises if they may not all have been handed over."""
         ...
 
+    async def drop_connection(self, nc: NatsClient) -> None:
+        """Give up the current server (it does not answer) for another of the
+        pool; nats-py reconnects as after any connection loss."""
+        ...
+
 
 # -- fast path -------------------------------------------------------------
 
@@ -159,6 +164,17 @@ class FastPath:
         if nc._flush_queue is not None and nc._flush_queue.empty():  # noqa: SLF001 - as nc.publish does
             await nc._flush_pending()  # noqa: SLF001
 
+    async def drop_connection(self, nc: NatsClient) -> None:
+        # Abort the socket: a plain close (nats-py's force_reconnect) first
+        # waits for its write buffer to drain, forever when the server is
+        # frozen. The reader then sees the end and nats-py reconnects.
+        transport = nc._transport  # noqa: SLF001
+        writer = getattr(transport, "_io_writer", None) if type(transport) is TcpTransport else None
+        if writer is not None and nc.is_connected:
+            writer.transport.abort()
+            return
+        await nc.force_reconnect()
+
 
 # -- public path -----------------------------------------------------------
 
@@ -186,6 +202,9 @@ class PublicPath:
         else:
             for msg, reply in zip(messages, replies):
                 await publish(msg.subject, msg.payload, reply=reply, headers=msg.headers)
+
+    async def drop_connection(self, nc: NatsClient) -> None:
+        await nc.force_reconnect()
 
 
 # -- choosing --------------------------------------------------------------

@@ -127,13 +127,31 @@ class Operator:
     account: NKey
     operator_jwt: str
     account_jwt: str
+    # The system account JetStream needs in operator mode (None: not made).
+    system: NKey | None = None
+    system_jwt: str = ""
 
-    def creds(self, path: Path, signer: NKey | None = None) -> NKey:
-        """A user of the account (or of `signer`, an account nobody trusts)."""
+    def server_config(self) -> str:
+        """resolver: MEMORY, with the account (and the system account) preloaded."""
+        preload = [f"  {self.account.public}: {self.account_jwt}"]
+        head = f"operator: {self.operator_jwt}\nresolver: MEMORY\n"
+        if self.system is not None:
+            preload.append(f"  {self.system.public}: {self.system_jwt}")
+            head += f"system_account: {self.system.public}\n"
+        return head + "resolver_preload: {\n" + "\n".join(preload) + "\n}\n"
+
+    def creds(self, path: Path, signer: NKey | None = None, permissions: Permissions | None = None,
+              name: str = "kv-bridge") -> NKey:
+        """A user of the account (or of `signer`, an account nobody trusts),
+        allowed everything or only `permissions`."""
         user = user_nkey()
         issuer = signer or self.account
-        jwt = _jwt(issuer, user.public, "kv-bridge", {"pub": {}, "sub": {}, "subs": -1, "data": -1,
-                                                     "payload": -1, "type": "user", "version": 2})
+        pub: dict[str, object] = {}
+        sub: dict[str, object] = {}
+        if permissions is not None:
+            pub, sub = {"allow": permissions.publish}, {"allow": permissions.subscribe}
+        jwt = _jwt(issuer, user.public, name, {"pub": pub, "sub": sub, "subs": -1, "data": -1,
+                                               "payload": -1, "type": "user", "version": 2})
         path.write_text(
             "-----BEGIN NATS USER JWT-----\n" f"{jwt}\n" "------END NATS USER JWT------\n\n"
             "************************* IMPORTANT *************************\n"
@@ -145,12 +163,69 @@ class Operator:
         return user
 
 
-def make_operator() -> Operator:
+# An account's JetStream limits (none): without them the account has no JetStream.
+_JETSTREAM_UNLIMITED = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+                        "mem_max_stream_bytes": -1, "disk_max_stream_bytes": -1, "max_ack_pending": -1}
+
+
+def make_operator(jetstream: bool = False) -> Operator:
     op = new_nkey(nkeys.PREFIX_BYTE_OPERATOR)
     acct = new_nkey(nkeys.PREFIX_BYTE_ACCOUNT)
     op_jwt = _jwt(op, op.public, "kvb-op", {"type": "operator", "version": 2})
-    acct_jwt = _jwt(op, acct.public, "kvb-acct", {"limits": _UNLIMITED, "type": "account", "version": 2})
-    return Operator(op, acct, op_jwt, acct_jwt)
+    limits = {**_UNLIMITED, **(_JETSTREAM_UNLIMITED if jetstream else {})}
+    acct_jwt = _jwt(op, acct.public, "kvb-acct", {"limits": limits, "type": "account", "version": 2})
+    if not jetstream:
+        return Operator(op, acct, op_jwt, acct_jwt)
+    system = new_nkey(nkeys.PREFIX_BYTE_ACCOUNT)
+    system_jwt = _jwt(op, system.public, "SYS", {"limits": _UNLIMITED, "type": "account", "version": 2})
+    return Operator(op, acct, op_jwt, acct_jwt, system, system_jwt)
+
+
+# -- least privilege ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: list[str]
+    subscribe: list[str]
+
+    def conf(self) -> str:
+        """As a nats-server `permissions` block."""
+        pub = ", ".join(json.dumps(x) for x in self.publish)
+        sub = ", ".join(json.dumps(x) for x in self.subscribe)
+        return f"{{ publish: {{ allow: [{pub}] }}, subscribe: {{ allow: [{sub}] }} }}"
+
+
+def bridge_permissions(worker: str, ranks: int = 1, prefix: str = "kv", stream: str = "KV_EVENTS",
+                       bucket: str = "kv_workers") -> Permissions:
+    """What one bridge needs, and nothing more (docs/security.md, "Least
+    privilege"): publish on its own worker's subjects, each rank's; read back
+    its own last messages (direct get by subject); make or check the stream
+    and the registry bucket; write its own registry key; replies on _INBOX."""
+    from bridge.contract import registry_key, worker_token
+
+    publish: list[str] = []
+    for rank in range(ranks):
+        token = worker_token(worker, rank)
+        publish += [f"{prefix}.{token}.>", f"$JS.API.DIRECT.GET.{stream}.{prefix}.{token}.>"]
+    publish += ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}",
+                f"$JS.API.STREAM.INFO.KV_{bucket}", f"$JS.API.STREAM.CREATE.KV_{bucket}",
+                f"$KV.{bucket}.{registry_key(worker)}"]
+    return Permissions(publish, ["_INBOX.>"])
+
+
+def reader_permissions(prefix: str = "kv", stream: str = "KV_EVENTS", bucket: str = "kv_workers") -> Permissions:
+    """A consumer: subscribe to the events, read the stream and the registry
+    (stream info, direct gets, consumers of its own); publish nothing on the
+    events or the registry."""
+    publish = ["$JS.API.INFO"]
+    for name in (stream, f"KV_{bucket}"):
+        publish += [f"$JS.API.STREAM.INFO.{name}", f"$JS.API.STREAM.MSG.GET.{name}",
+                    f"$JS.API.DIRECT.GET.{name}", f"$JS.API.DIRECT.GET.{name}.>",
+                    f"$JS.API.CONSUMER.CREATE.{name}", f"$JS.API.CONSUMER.CREATE.{name}.>",
+                    f"$JS.API.CONSUMER.INFO.{name}.>", f"$JS.API.CONSUMER.DELETE.{name}.>",
+                    f"$JS.API.CONSUMER.MSG.NEXT.{name}.>", f"$JS.ACK.{name}.>", f"$JS.FC.{name}.>"]
+    return Permissions(publish, [f"{prefix}.>", "_INBOX.>"])
 
 
 def account_nkey() -> NKey:
@@ -165,9 +240,14 @@ def secret_word() -> str:
     return "kvb-secret-" + secrets.token_hex(12)
 
 
-def start_server(cwd: Path, config: str, port: int | None = None) -> NatsServerProcess:
-    """A core nats-server (no JetStream) with this configuration block."""
+def start_server(cwd: Path, config: str, port: int | None = None, jetstream: bool = False) -> NatsServerProcess:
+    """A nats-server with this configuration block (JetStream on if asked,
+    its store in `cwd`)."""
     conf = cwd / f"nats-{secrets.token_hex(3)}.conf"
+    if jetstream:
+        store = cwd / f"store-{conf.stem}"
+        store.mkdir()
+        config = f'jetstream {{\n  store_dir: "{store}"\n}}\n' + config
     conf.write_text(config)
     return NatsServerProcess(port=port, jetstream=False, extra_args=["-c", str(conf)]).start()
 

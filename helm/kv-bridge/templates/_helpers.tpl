@@ -121,6 +121,28 @@ Secret files the sidecar reads, as a list of {secret, key, path} under
 {{- end }}
 
 {{/*
+Per-pod credentials: where the pod's own .creds file is mounted (a directory
+of its own: the projected secrets volume is read-only and cannot take a file
+mounted inside it). Fails on settings that cannot work.
+*/}}
+{{- define "kv-bridge.podCredsPath" -}}
+/etc/kv-bridge/pod/nats.creds
+{{- end }}
+
+{{- define "kv-bridge.podCreds" -}}
+{{- $per := .Values.bridge.nats.credsPerPod }}
+{{- if $per.secretName }}
+{{- if .Values.bridge.nats.credsSecret.name }}
+{{- fail "bridge.nats.credsPerPod and bridge.nats.credsSecret exclude each other: each pod has its own credentials, or all share one" }}
+{{- end }}
+{{- if and (eq .Values.mode "workload") (ne .Values.vllm.kind "StatefulSet") }}
+{{- fail "bridge.nats.credsPerPod needs vllm.kind StatefulSet: the Secret's keys are the pod names, which a Deployment does not know in advance" }}
+{{- end }}
+{{- $per.secretName }}
+{{- end }}
+{{- end }}
+
+{{/*
 The sidecar's environment.
 */}}
 {{- define "kv-bridge.sidecar.env" -}}
@@ -210,6 +232,10 @@ The sidecar's environment.
 {{- range (include "kv-bridge.secretFiles" . | fromYaml).files }}
 - name: {{ .env }}
   value: {{ printf "%s/%s" (include "kv-bridge.secretsMountPath" $) .path | quote }}
+{{- end }}
+{{- if include "kv-bridge.podCreds" . }}
+- name: KVB_NATS_CREDS_FILE
+  value: {{ include "kv-bridge.podCredsPath" . | quote }}
 {{- end }}
 {{- if $b.jetstream.enabled }}
 - name: KVB_JETSTREAM
@@ -315,6 +341,13 @@ stops after vLLM.
       mountPath: {{ include "kv-bridge.secretsMountPath" . }}
       readOnly: true
     {{- end }}
+    {{- if include "kv-bridge.podCreds" . }}
+    # Only this pod's key of the Secret ($(POD_NAME) is the env var above).
+    - name: kv-bridge-nats-pod-creds
+      mountPath: {{ include "kv-bridge.podCredsPath" . }}
+      subPathExpr: {{ printf "$(POD_NAME)%s" .Values.bridge.nats.credsPerPod.keySuffix | quote }}
+      readOnly: true
+    {{- end }}
     {{- with $b.extraVolumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -331,6 +364,12 @@ Secret key to a file. The volume is mounted only into the sidecar.
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.bridge.tmpSizeLimit }}
+{{- with include "kv-bridge.podCreds" . }}
+- name: kv-bridge-nats-pod-creds
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0444
+{{- end }}
 {{- if $secretFiles }}
 - name: kv-bridge-nats-secrets
   projected:
