@@ -38,6 +38,11 @@ Semantics (docs/consumers.md has the long form):
   part, chunk: what its Nats-Msg-Id names) is a copy, ignored and counted
   (`duplicates_ignored`): in JetStream mode the bridge publishes again what was
   not acked in time, and a core subscription sees both.
+
+Storage and queries are the fleet structure's (`bridge.client.fleet`: hash →
+holders per group and medium), so a query costs the chain's length whatever
+the number of workers; `fleet` is there for services that ask for many
+workers at once (`prefix_hits`) or for aggregate counts.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from typing import NamedTuple
 
-from bridge.client.prefix import PrefixMatch, match_view, match_views
+from bridge.client.fleet import FleetResidency
+from bridge.client.prefix import PrefixMatch
 from bridge.client.prefix import _group_limit as group_limit
 from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
 from bridge.client.subscribe import BusMessage, Interruption
@@ -82,6 +88,7 @@ class ResidencyIndex:
     hybrid-valid prefix of a request (`longest_prefix`)."""
 
     def __init__(self) -> None:
+        self.fleet = FleetResidency()
         self.views: dict[WorkerKey, WorkerView] = {}
         self.interruptions = 0
         # Group structure from the worker registry: it outlives resets, so a
@@ -112,22 +119,19 @@ class ResidencyIndex:
         best first. `media` limits which tiers count (None: any); suspect entries
         count only with `include_suspect`; views whose bridge stopped, and
         `skip_workers` (e.g. dead in the registry), are left out."""
-        views = [
-            v for v in self.views.values()
-            if (include_unwatched or v.watching) and v.key.worker not in skip_workers
-        ]
-        return match_views(views, chain, media, include_suspect)
+        return self.fleet.longest_prefix(chain, media=media, include_suspect=include_suspect,
+                                         include_unwatched=include_unwatched, skip_workers=skip_workers)
 
     def match(self, worker: str, dp_rank: int, chain: Sequence[BlockHash], *,
               media: Collection[str] | None = None, include_suspect: bool = False) -> PrefixMatch | None:
         """One worker's answer, whatever its state; None when unknown."""
         view = self.view(worker, dp_rank)
-        return None if view is None else match_view(view, chain, media, include_suspect)
+        return None if view is None else self.fleet.match(view.slot, chain, media, include_suspect)
 
     def forget(self, worker: str) -> None:
         """Drop every rank of a worker (e.g. the registry says it is gone for good)."""
         for key in [k for k in self.views if k.worker == worker]:
-            del self.views[key]
+            self.views.pop(key).release()
         for key in [k for k in self._declared if k.worker == worker]:
             del self._declared[key]
 
@@ -153,8 +157,7 @@ class ResidencyIndex:
         self.interruptions += 1
         for view in self.views.values():
             view.interruptions += 1
-            for g in view.groups.values():
-                g.demote()
+        self.fleet.demote_all()
 
     def _current(self, worker: str, dp_rank: int, epoch: int) -> WorkerView | None:
         """The view for a message of `epoch`, reset when the epoch is newer
@@ -173,7 +176,7 @@ class ResidencyIndex:
         return view
 
     def _new_view(self, key: WorkerKey, epoch: int) -> WorkerView:
-        view = self.views[key] = WorkerView(key, epoch)
+        view = self.views[key] = WorkerView(key, epoch, self.fleet)
         for group, decl in self._declared.get(key, {}).items():
             self._seed(view, group, decl)
         return view
