@@ -29,9 +29,9 @@ import zmq
 
 from bench.traffic import TS_OFFSET, load
 from bridge.contract import GroupMessage
+from bridge.contract.msgid import new_epoch
 from bridge.decode.decoder import BatchDecoder
 from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
-from bridge.pipeline import new_epoch
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.subjects import SubjectBook
 

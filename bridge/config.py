@@ -26,7 +26,7 @@ from bridge.access import (
     check_prefix,
     redact_url,
 )
-from bridge.contract import parse_group_kind, validate_worker_id
+from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id
 
 # Per output format: what one frame may cost in memory once decoded stays
 # under the chart's 512 Mi limit (tests/test_hostile.py measures it).
@@ -59,7 +59,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--log-level", "choice", "info", "Log level.", ("debug", "info", "warning", "error")),
     Option("--drain-timeout", "float", 10.0, "Seconds SIGTERM/SIGINT may take to flush and drain NATS."),
     Option("--jetstream", "bool", False, "Publish to a JetStream stream with acks and de-duplication, and resume from it on start."),
-    Option("--stream-name", "str", "KV_EVENTS", "JetStream stream name (created or verified at start)."),
+    Option("--stream-name", "str", DEFAULT_STREAM, "JetStream stream name (created or verified at start)."),
     Option("--stream-max-age", "float", 3600.0, "Stream limit: seconds a message is kept."),
     Option("--stream-max-bytes", "int", 1024 * 1024 * 1024, "Stream limit: bytes kept, oldest messages dropped first (-1: no bound)."),
     Option("--stream-max-msgs-per-subject", "int", -1, "Stream limit: messages kept per subject (-1: no bound). Costly at high rates: nats-server then deletes one old message of that subject, scattered through its files, for every new one."),
@@ -69,7 +69,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--js-max-pending", "int", 16384, "JetStream publishes in flight without an ack: enough to ride out a stream's pauses of a few hundred ms without holding up live delivery (a reconnect sends them again; --js-max-pending-bytes bounds their memory)."),
     Option("--js-max-pending-bytes", "int", 64 * 1024 * 1024, "Encoded bytes of JetStream publishes in flight without an ack (the window's memory bound for large batches)."),
     Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
-    Option("--registry-bucket", "str", "kv_workers", "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
+    Option("--registry-bucket", "str", DEFAULT_BUCKET, "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
     Option("--heartbeat-interval", "float", 5.0, "Seconds between worker registry heartbeats."),
     *NATS_AUTH_OPTIONS,
 )

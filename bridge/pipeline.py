@@ -1,22 +1,23 @@
-"""One vLLM publisher (endpoint × rank), as stages: ZMQ frames → continuity
-(seq order, replay) → decode and normalize → framing → the sink's queue."""
+"""One vLLM publisher (endpoint × rank), wired as stages: ZMQ frames →
+continuity (seq order, replay) → decode and normalize → framing → the sink's
+queue. Worker records (gaps, restarts, stops) go through the Announcer."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import anyio
-import msgspec
 import structlog
 import zmq
 
-from bridge.config import Settings
-from bridge.contract import GroupMessage, RecordType, WorkerRecord
+from bridge.contract import GroupMessage, WorkerRecord
+from bridge.contract.msgid import new_epoch
 from bridge.decode.decoder import BatchDecoder
 from bridge.normalize.normalizer import KindBook, Normalizer, StreamIdentity
 from bridge.normalize.stage import NormalizeStage
 from bridge.observe.metrics import Metrics
+from bridge.plan import StreamPlan, StreamSettings
+from bridge.sink.announce import Announcer
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.framing import Framing
 from bridge.sink.jetstream import ResumePoint
@@ -30,41 +31,6 @@ from bridge.source.subscriber import Subscriber
 
 # A sink that took no batch for this long is stalled, not slow.
 _STALLED_AFTER_S = 0.5
-
-
-def new_epoch(previous: int = 0) -> int:
-    """Epochs are wall-clock milliseconds, so they also differ across bridge
-    restarts; strictly rising even if the clock does not."""
-    return max(int(time.time() * 1000), previous + 1)
-
-
-class StreamPlan(msgspec.Struct, frozen=True):
-    """Which publisher one pipeline reads, and its place in the sink's queue."""
-
-    index: int
-    dp_rank: int
-    endpoint: str
-    replay_endpoint: str | None
-
-
-class StreamSettings(msgspec.Struct, frozen=True):
-    """What every pipeline of one bridge shares."""
-
-    worker: str
-    topic: str
-    prefix: str
-    pinned_kinds: dict[int, str]
-    keep_placeholders: bool
-    max_frame_bytes: int
-    rcvhwm: int
-    coalesce_s: float
-    replay_timeout: float
-    idle_probe_s: float
-
-    @classmethod
-    def of(cls, s: Settings) -> StreamSettings:
-        return cls(s.worker_id, s.topic, s.subject_prefix, s.group_kind, s.keep_placeholders, s.max_frame_bytes,
-                   s.zmq_rcvhwm, s.coalesce_ms / 1000, s.replay_timeout, s.idle_probe_interval)
 
 
 class StreamPipeline:
@@ -86,10 +52,11 @@ class StreamPipeline:
             worker=settings.worker, dp_rank=plan.dp_rank, endpoint=plan.endpoint
         )
         self._framing = Framing(plan.index, self.ident, self.subjects, encoder, max_payload, metrics, self._log)
+        self.announce = Announcer(self._framing, queue, metrics, self._log)
         self._stage = NormalizeStage(
             self.ident, BatchDecoder(relay=encoder.format == "msgpack"),
             Normalizer(KindBook(settings.pinned_kinds), settings.keep_placeholders), metrics, self._log,
-            deliver=self._deliver, gap=self._gap,
+            deliver=self._deliver, gap=self.announce.gap,
         )
         replay = (
             ReplayClient(ctx, plan.replay_endpoint, settings.replay_timeout, settings.max_frame_bytes, self._bad_frame)
@@ -99,27 +66,19 @@ class StreamPipeline:
         self._continuity = Continuity(
             topic=settings.topic.encode("utf-8"), max_frame_bytes=settings.max_frame_bytes, replay=replay,
             idle_probe_s=settings.idle_probe_s, metrics=metrics, log=self._log, emit=self._stage.frame,
-            gap=self._gap, restart=self._restart, bad_frame=self._bad_frame, timestamp=self._stage.timestamp,
+            gap=self.announce.gap, restart=self._restart, bad_frame=self._bad_frame, timestamp=self._stage.timestamp,
         )
 
     @property
     def tracker(self) -> SeqTracker:
         return self._continuity.tracker
 
-    def record(self, type_: RecordType, *, seq: int | None = None, gap: tuple[int, int] | None = None,
-               reason: str | None = None, epoch: int | None = None, batch_ts: float | None = None) -> OutBatch:
-        return self._framing.record(type_, seq=seq, gap=gap, reason=reason, epoch=epoch, batch_ts=batch_ts)
-
     def gap_batch(self, lost: LostRange) -> OutBatch:
-        return self._gap_record(lost.first, lost.last, "queue_overflow", lost.epoch)
-
-    def refused(self, batch: OutBatch) -> None:
-        """The stream refused part of `batch` for good: a gap names it. The
-        record may follow later batches; its epoch is the batch's."""
-        self._gap(batch.seq, batch.seq, "refused", epoch=batch.epoch)
+        """The record naming batches the queue dropped."""
+        return self.announce.gap_record(lost.first, lost.last, "queue_overflow", lost.epoch)
 
     def stop_record(self) -> OutBatch:
-        return self.record("stop", seq=self.tracker.last_emitted, batch_ts=self._stage.last_ts)
+        return self.announce.record("stop", seq=self.tracker.last_emitted, batch_ts=self._stage.last_ts)
 
     def resume(self, point: ResumePoint) -> None:
         """Continue the stream's epoch after the last batch it wholly holds."""
@@ -138,7 +97,7 @@ class StreamPipeline:
                          socket_limit(s.max_frame_bytes))
         self._log.info("zmq_subscribed", replay=self.plan.replay_endpoint, topic=s.topic)
         through = continuity.resumed_through
-        self._queue.put(self.record("start", reason="fresh" if through is None else "resumed", seq=through))
+        self.announce.put("start", reason="fresh" if through is None else "resumed", seq=through)
         await continuity.verify_resume()
         on_subscribed()
         try:
@@ -156,19 +115,9 @@ class StreamPipeline:
                         if pending is not None:
                             await continuity.settle(*pending)
                         if queue.full():
-                            await self._backpressure()
+                            await queue.hold(self._nats_up, _STALLED_AFTER_S)
         finally:
             sub.close()
-
-    async def _backpressure(self) -> None:
-        """A full queue while NATS is up means a burst, not an outage: wait for
-        the sink (ZMQ buffers meanwhile, and replay heals what its high-water
-        mark drops) instead of shedding batches NATS would take. While NATS is
-        away or stalled (no batch taken for a while: a frozen server keeps its
-        TCP connection) the queue's drop-oldest policy bounds memory instead."""
-        queue = self._queue
-        while queue.full() and self._nats_up() and queue.progressing(_STALLED_AFTER_S):
-            await queue.wait_for_room(0.1)
 
     def _deliver(self, seq: int, ts: float, items: list[GroupMessage | WorkerRecord], malformed: bool) -> None:
         """One batch's messages on the queue, then a gap record if what it said
@@ -177,18 +126,9 @@ class StreamPipeline:
         out, unpublishable = self._framing.batch(seq, ts, items)
         self._queue.put(out)
         if malformed:
-            self._gap(seq, seq, "malformed")
+            self.announce.gap(seq, seq, "malformed")
         elif unpublishable:
-            self._gap(seq, seq, "unpublishable")
-
-    def _gap(self, first: int, last: int, reason: str, epoch: int | None = None) -> None:
-        self._queue.put(self._gap_record(first, last, reason, epoch))
-
-    def _gap_record(self, first: int, last: int, reason: str, epoch: int | None) -> OutBatch:
-        self._metrics.gaps_by[reason].inc()
-        self._metrics.gap_batches.inc(last - first + 1)
-        self._log.warning("gap", first=first, last=last, reason=reason)
-        return self.record("gap", gap=(first, last), reason=reason, epoch=epoch)
+            self.announce.gap(seq, seq, "unpublishable")
 
     def _restart(self, seq: int | None, previous: int) -> None:
         self.ident.epoch = new_epoch(self.ident.epoch)
@@ -196,7 +136,7 @@ class StreamPipeline:
         self._framing.restarted()
         self._metrics.restarts.inc()
         self._log.warning("publisher_restart", previous_seq=previous, seq=seq, epoch=self.ident.epoch)
-        self._queue.put(self.record("restart", seq=seq))
+        self.announce.put("restart", seq=seq)
 
     def _bad_frame(self, exc: FrameError) -> None:
         self._metrics.malformed_by[exc.reason].inc()

@@ -23,13 +23,13 @@ from bridge.embedded.nats_server import NatsServerProcess
 from bridge.observe.health import Health
 from bridge.observe.http import serve_http
 from bridge.observe.metrics import Metrics
-from bridge.pipeline import StreamPipeline, StreamPlan, StreamSettings
-from bridge.registry import CatalogQueue
+from bridge.pipeline import StreamPipeline
+from bridge.plan import StreamSettings, stream_plans
 from bridge.sink.catalog import GroupCatalog
 from bridge.sink.encode import MessageEncoder
 from bridge.sink.jetstream import ResumePoint, StreamConfigError, ensure_stream, last_point
 from bridge.sink.publisher import NatsSink
-from bridge.sink.queue import LostRange, OutBatch
+from bridge.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.sink.registry_writer import WorkerRegistry, ttl_for
 
 log = structlog.get_logger("bridge.service")
@@ -50,9 +50,9 @@ class Bridge:
         self.catalog = GroupCatalog()
         self.started_at = time.time()
         self._registry: WorkerRegistry | None = None
-        self.queue = CatalogQueue(
-            self.catalog, settings.max_buffered_batches, self._gap_batch,
-            self.metrics.dropped_by["queue_overflow"].inc, settings.max_buffered_bytes,
+        self.queue = BatchQueue(
+            settings.max_buffered_batches, self._gap_batch, self.metrics.dropped_by["queue_overflow"].inc,
+            settings.max_buffered_bytes, on_put=self.catalog.observe,
         )
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
                              on_reordered=self._reordered, fast_path=nats_fast_path)
@@ -92,7 +92,9 @@ class Bridge:
         return self._pipelines[lost.stream].gap_batch(lost)
 
     def _refused(self, batch: OutBatch) -> None:
-        self._pipelines[batch.stream].refused(batch)
+        """The stream refused part of `batch` for good: a gap names it. The
+        record may follow later batches; its epoch is the batch's."""
+        self._pipelines[batch.stream].announce.gap(batch.seq, batch.seq, "refused", epoch=batch.epoch)
 
     def _reordered(self, batches: list[OutBatch]) -> None:
         """JetStream stored these batches after a later batch of their worker
@@ -104,18 +106,14 @@ class Bridge:
         for batch in batches:
             runs.setdefault((batch.stream, batch.epoch), []).append(batch.seq)
         for (stream, epoch), seqs in runs.items():
-            pipeline = self._pipelines[stream]
+            announce = self._pipelines[stream].announce
             seqs.sort()
             first = last = seqs[0]
             for seq in [*seqs[1:], None]:
                 if seq is not None and seq <= last + 1:
                     last = max(last, seq)
                     continue
-                self.metrics.gaps_by["reordered"].inc()
-                self.metrics.gap_batches.inc(last - first + 1)
-                log.warning("gap", worker=self.settings.worker_id, dp_rank=pipeline.plan.dp_rank, first=first,
-                            last=last, epoch=epoch, reason="reordered")
-                self.queue.put(pipeline.record("gap", gap=(first, last), reason="reordered", epoch=epoch))
+                announce.gap(first, last, "reordered", epoch=epoch)
                 if seq is not None:
                     first = last = seq
 
@@ -137,11 +135,11 @@ class Bridge:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         encoder = MessageEncoder(s.format)
         shared = StreamSettings.of(s)
-        for index, (rank, endpoint, replay) in enumerate(s.stream_endpoints()):
+        for plan in stream_plans(s):
             self._pipelines.append(
                 StreamPipeline(
-                    StreamPlan(index, rank, endpoint, replay), shared, ctx=ctx, queue=self.queue, encoder=encoder,
-                    metrics=self.metrics, max_payload=self._max_payload, nats_up=lambda: self.health.nats_connected,
+                    plan, shared, ctx=ctx, queue=self.queue, encoder=encoder, metrics=self.metrics,
+                    max_payload=self._max_payload, nats_up=lambda: self.health.nats_connected,
                 )
             )
         stop = stop or anyio.Event()
@@ -194,7 +192,6 @@ class Bridge:
         tg.start_soon(self.sink.run)
         for pipeline in self._pipelines:
             readers.start_soon(pipeline.run, self._on_subscribed)
-
 
     async def _open_stream(self) -> list[ResumePoint | None]:
         """The stream made or verified, and each pipeline's resume point read

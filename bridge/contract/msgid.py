@@ -11,6 +11,8 @@ for the n-th clear of a batch). The epoch keeps two vLLM processes apart.
 
 from __future__ import annotations
 
+import time
+
 from bridge.contract.subjects import WORKER_TOKEN
 
 
@@ -41,3 +43,10 @@ def record_at(seq: int | None, ts: float, gap: tuple[int, int] | None = None) ->
 def record_id(base: str, at: str, what: str) -> str:
     """A worker record's id."""
     return f"{base}:{at}:{WORKER_TOKEN}:{what}"
+
+
+def new_epoch(previous: int = 0) -> int:
+    """Epochs are wall-clock milliseconds, so they also differ across bridge
+    restarts; strictly rising even if the clock does not. A consumer takes a
+    newer epoch for a new vLLM process."""
+    return max(int(time.time() * 1000), previous + 1)

@@ -16,7 +16,7 @@ import nats.js.errors
 import structlog
 
 from bridge.config import Settings
-from bridge.contract import HDR_FORMAT, HDR_MSG_ID, GroupMessage, WorkerRecord
+from bridge.contract import DEFAULT_FORMAT, HDR_FORMAT, HDR_MSG_ID, WORKER_TOKEN, GroupMessage, WorkerRecord
 
 log = structlog.get_logger("bridge.jetstream")
 
@@ -99,10 +99,10 @@ async def last_point(js: nats.js.JetStreamContext, stream: str, subject_base: st
     if raw.data is None:
         return None
     headers = raw.headers or {}
-    fmt = headers.get(HDR_FORMAT, "msgpack")
+    fmt = headers.get(HDR_FORMAT, DEFAULT_FORMAT)
     msg_id = headers.get(HDR_MSG_ID)
     try:
-        if (raw.subject or "").endswith(".worker"):
+        if (raw.subject or "").endswith(f".{WORKER_TOKEN}"):
             return _after_record(_decode(fmt, WorkerRecord, raw.data), msg_id)
         group: GroupMessage = _decode(fmt, GroupMessage, raw.data)
         return ResumePoint(group.epoch, group.seq - 1, group.seq, group.ts, msg_id)

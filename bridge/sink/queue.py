@@ -53,10 +53,19 @@ def _size(batch: OutBatch) -> int:
 
 
 class BatchQueue:
+    """`on_put` sees every batch as it is queued, in order (the group catalog
+    learns from them); `on_drop` counts each batch dropped."""
+
     def __init__(
-        self, max_batches: int, make_gap: GapMaker, on_drop: Callable[[], None] = _ignore, max_bytes: int = 0
+        self,
+        max_batches: int,
+        make_gap: GapMaker,
+        on_drop: Callable[[], None] = _ignore,
+        max_bytes: int = 0,
+        on_put: Callable[[OutBatch], None] | None = None,
     ) -> None:
         self._max = max_batches
+        self._on_put = on_put
         # 0: no byte bound.
         self._max_bytes = max_bytes or (1 << 62)
         self.bytes = 0
@@ -75,6 +84,8 @@ class BatchQueue:
 
     def put(self, batch: OutBatch) -> None:
         """Never blocks: the ZMQ side must keep reading or vLLM's PUB drops silently."""
+        if self._on_put is not None:
+            self._on_put(batch)
         if len(self._items) >= self._max:
             self._drop_oldest()
         # Full by bytes: make room first, so the bound holds to within this one
@@ -129,6 +140,16 @@ class BatchQueue:
 
     def full(self) -> bool:
         return len(self._items) >= self._max or self.bytes >= self._max_bytes
+
+    async def hold(self, sink_up: Callable[[], bool], stalled_after: float) -> None:
+        """While full, wait for the sink, as long as it is up and taking
+        batches: a full queue then means a burst, not an outage, and ZMQ
+        buffers meanwhile (replay heals what its high-water mark drops). While
+        the sink is away or stalled (no batch taken for `stalled_after` s: a
+        frozen server keeps its TCP connection) the drop-oldest policy bounds
+        memory instead."""
+        while self.full() and sink_up() and self.progressing(stalled_after):
+            await self.wait_for_room(0.1)
 
     async def wait_for_room(self, timeout: float) -> None:
         """Until the sink takes a batch (or `timeout` passes)."""

@@ -3,10 +3,7 @@ are the contract's (bridge.contract.subjects)."""
 
 from __future__ import annotations
 
-from bridge.contract import MAX_GROUP_ID, WORKER_TOKEN, validate_worker_id, worker_token
-
-# validate_worker_id: the contract's, still imported from here by config.py.
-__all__ = ["SubjectBook", "validate_worker_id"]
+from bridge.contract import MAX_GROUP_ID, WORKER_TOKEN, worker_token
 
 
 class SubjectBook:
