@@ -65,7 +65,8 @@ class Option:
     def parse(self, raw: Any) -> Any:
         """Raises ConfigError naming the flag."""
         if self.kind == "list":
-            items = raw if isinstance(raw, list) else str(raw).split(",")
+            # A repeated flag, a comma-separated flag or variable, or both.
+            items = [part for item in (raw if isinstance(raw, list) else [raw]) for part in str(item).split(",")]
             return [item.strip() for item in items if item.strip()]
         if self.kind == "bool":
             if isinstance(raw, bool):
@@ -91,7 +92,7 @@ class Option:
 
 NATS_URL: Final = Option(
     "--nats-url", "list", [],
-    "NATS server URL (repeatable for a cluster). Empty: start a local nats-server (needs the `embedded` extra).",
+    "NATS server URL (repeatable, or comma-separated, for a cluster). Empty: start a local nats-server (needs the `embedded` extra).",
 )
 SUBJECT_PREFIX: Final = Option("--subject-prefix", "str", "kv", "First subject token(s): <prefix>.<worker>.<group>.")
 NATS_AUTH_OPTIONS: Final[tuple[Option, ...]] = (

@@ -22,6 +22,18 @@ def test_flag_wins_over_environment_and_env_lists_split_on_commas() -> None:
     assert s.group_kind == {1: "mamba", 2: "sliding_window"}
 
 
+def test_a_flag_takes_a_comma_separated_list_too() -> None:
+    """`--nats-url a,b,c` names three servers, as KVB_NATS_URL=a,b,c does;
+    repeated flags and commas mix."""
+    from bridge.cli import build_parser
+    from bridge.config import load_settings
+
+    args = build_parser().parse_args(["run", "--nats-url", "nats://a:4222,nats://b:4222, nats://c:4222",
+                                      "--nats-url", "nats://d:4222", "--worker-id", "w"])
+    s = load_settings(args, {})
+    assert s.nats_url == ["nats://a:4222", "nats://b:4222", "nats://c:4222", "nats://d:4222"]
+
+
 def test_worker_id_defaults_to_pod_name() -> None:
     import argparse
 
