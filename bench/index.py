@@ -194,7 +194,7 @@ def _digest(matches: list[Any]) -> list[Any]:
 def measure(impl: str, workers: int, traffic: Traffic, n_queries: int, n_answers: int) -> dict[str, Any]:
     """One implementation at one fleet size (run in a child process)."""
     if impl == "fleet":
-        from bridge.client.index import ResidencyIndex as Index
+        from bridge.contract.residency.index import ResidencyIndex as Index
     else:
         from bridge.client.reference_index import ReferenceIndex as Index  # type: ignore[assignment]
     encoder = msgspec.msgpack.Encoder()

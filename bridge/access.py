@@ -92,7 +92,8 @@ class Option:
 
 NATS_URL: Final = Option(
     "--nats-url", "list", [],
-    "NATS server URL (repeatable, or comma-separated, for a cluster). Empty: start a local nats-server (needs the `embedded` extra).",
+    "NATS server URL (repeatable, or comma-separated, for a cluster). "
+    "Empty: start a local nats-server (needs the `embedded` extra).",
 )
 SUBJECT_PREFIX: Final = Option("--subject-prefix", "str", "kv", "First subject token(s): <prefix>.<worker>.<group>.")
 NATS_AUTH_OPTIONS: Final[tuple[Option, ...]] = (

@@ -16,13 +16,13 @@ docs/consumers.md has a complete example and the semantics in full.
 from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments, settings_for
 from bridge.client.chain import ChainHasher, request_chain
 from bridge.client.codec import BusCodec, BusDecodeError
-from bridge.client.hashes import as_int, lookup_keys
-from bridge.client.index import ResidencyIndex
-from bridge.client.prefix import PrefixMatch, window_blocks
 from bridge.client.registry import RegistryFollower, declare_entry
-from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
 from bridge.client.subscribe import BusItem, BusMessage, BusSubscriber, Interruption, StartAt, parse_since
 from bridge.contract import GroupMessage, WorkerEntry, WorkerRecord, liveness
+from bridge.contract.residency.hashes import as_int, lookup_keys
+from bridge.contract.residency.index import ResidencyIndex
+from bridge.contract.residency.prefix import PrefixMatch, window_blocks
+from bridge.contract.residency.views import GroupResidency, WorkerKey, WorkerView
 
 __all__ = [
     "DEFAULT_URL",

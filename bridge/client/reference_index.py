@@ -8,7 +8,7 @@ and wants every answer equal), and the baseline of `python -m bench.index`.
 It is the simplest correct statement of the semantics in docs/consumers.md,
 so it lives in the package beside the real one rather than in tests/: the
 bench imports it too. The prefix rule is not copied: it is
-`bridge.client.prefix` itself, so a rule fixed there holds for both and the
+`bridge.contract.residency.prefix` itself, so a rule fixed there holds for both and the
 differential test shows whether the fleet structure follows.
 """
 
@@ -19,13 +19,13 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-from bridge.client.prefix import PrefixMatch, match_view, match_views
-from bridge.client.prefix import _group_limit as group_limit
-from bridge.client.residency import WorkerKey
 from bridge.client.subscribe import BusMessage, Interruption
 from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
 from bridge.contract.events import BlockHash, BlockStored
 from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
+from bridge.contract.residency.prefix import PrefixMatch, match_view, match_views
+from bridge.contract.residency.prefix import _group_limit as group_limit
+from bridge.contract.residency.views import WorkerKey
 
 Table = dict[BlockHash, int]
 

@@ -17,8 +17,8 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
-from bridge.client.index import ResidencyIndex
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
+from bridge.contract.residency.index import ResidencyIndex
 
 _RETRY_SECONDS = 2.0
 _DELETES = ("DEL", "PURGE")

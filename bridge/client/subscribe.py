@@ -25,6 +25,7 @@ from nats.js import api
 from bridge.client.access import BusConnection
 from bridge.client.codec import Body, BusCodec, BusDecodeError
 from bridge.contract import DEFAULT_STREAM
+from bridge.contract.residency.index import Interruption
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -75,13 +76,6 @@ class BusMessage(msgspec.Struct, gc=False):
     received: float
     # Set on JetStream replays: the stream sequence, to resume from.
     stream_seq: int | None = None
-
-
-class Interruption(msgspec.Struct, frozen=True):
-    """Messages may be missing before the next item (core NATS only)."""
-
-    reason: Literal["disconnect", "slow_consumer"]
-    ts: float
 
 
 BusItem = BusMessage | Interruption

@@ -22,11 +22,11 @@ from rich.text import Text
 
 from bridge.access import ConfigError, NatsAccess
 from bridge.client.access import BusConnection, access_settings, add_access_arguments
-from bridge.client.index import ResidencyIndex
 from bridge.client.registry import DEFAULT_BUCKET, RegistryFollower, declare_entry
-from bridge.client.residency import WorkerKey, WorkerView
 from bridge.client.subscribe import DEFAULT_STREAM, BusSubscriber, StartAt, parse_since
 from bridge.contract import DEFAULT_DEAD_AFTER
+from bridge.contract.residency.index import ResidencyIndex
+from bridge.contract.residency.views import WorkerKey, WorkerView
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 _LIVENESS_STYLE = {"alive": "green", "dead": "bold red", "stopped": "yellow", "watching": "green", "?": "dim"}

@@ -6,7 +6,6 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 
-from bridge.client.hashes import as_int
 from bridge.contract import (
     SCHEMA_VERSION,
     BlockHash,
@@ -18,6 +17,7 @@ from bridge.contract import (
     WorkerRecord,
     family_of,
 )
+from bridge.contract.residency.hashes import as_int
 
 ATTN, STATE, WIN, OTHER_G = 0, 1, 2, 3
 KINDS = {ATTN: "full_attention", STATE: "mamba", WIN: "sliding_window", OTHER_G: "cross_attention"}

@@ -8,8 +8,8 @@ from contextlib import asynccontextmanager
 import anyio
 
 from bridge.client.access import BusConnection
-from bridge.client.index import ResidencyIndex
 from bridge.client.subscribe import BusSubscriber
+from bridge.contract.residency.index import ResidencyIndex
 from tests.busutil import make_settings
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from bridge.client.index import ResidencyIndex
+from bridge.contract.residency.index import ResidencyIndex
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.testing.publisher import WirePublisher
 from bridge.testing.wire_writer import encode_batch

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from bridge.client.index import ResidencyIndex
-from bridge.client.prefix import match_view
 from bridge.client.reference_index import ReferenceIndex
 from bridge.client.subscribe import Interruption
 from bridge.contract import BlockRemoved, BlockStored, GroupMessage
 from bridge.contract.kinds import family_of
+from bridge.contract.residency.index import ResidencyIndex
+from bridge.contract.residency.prefix import match_view
 from tests.client.builders import hb, hi, msg, record
 
 WORKERS = ("a", "b", "c")

@@ -15,9 +15,9 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from bridge.client.index import ResidencyIndex
 from bridge.client.subscribe import Interruption
 from bridge.contract import GroupMessage
+from bridge.contract.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, record, removed, stored
 
 POOL = 6  # hash ids 0..5; a request's chain is mostly 0, 1, 2, ... as real chains are

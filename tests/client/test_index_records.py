@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from bridge.client.index import ResidencyIndex
 from bridge.client.subscribe import Interruption
+from bridge.contract.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, hb, msg, record, removed, stored
 
 CHAIN = [hb(i) for i in range(6)]

@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js.kv import VALID_KEY_RE
 
-from bridge.client.index import ResidencyIndex
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.contract import GroupInfo, RankInfo, WorkerEntry, decode_entry, liveness, registry_key
+from bridge.contract.residency.index import ResidencyIndex
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.sink.registry_writer import WorkerRegistry
 from bridge.testing.publisher import WirePublisher

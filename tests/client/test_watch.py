@@ -15,8 +15,8 @@ import pytest
 from rich.console import Console
 
 from bridge.cli import main
-from bridge.client.index import ResidencyIndex
 from bridge.contract import GroupInfo, RankInfo, WorkerEntry, encode_entry, registry_key
+from bridge.contract.residency.index import ResidencyIndex
 from bridge.embedded.nats_server import NatsServerProcess, free_port
 from bridge.sink.registry_writer import WorkerRegistry
 from bridge.testing.publisher import WirePublisher

@@ -22,9 +22,9 @@ import anyio
 import pytest
 
 from bridge.client.access import BusConnection
-from bridge.client.index import ResidencyIndex
 from bridge.client.subscribe import BusMessage, BusSubscriber
 from bridge.contract import BlockStored, GroupMessage, WorkerRecord
+from bridge.contract.residency.index import ResidencyIndex
 from bridge.embedded.nats_server import free_port
 from tests.busutil import make_settings
 from tests.engine.models import MODELS

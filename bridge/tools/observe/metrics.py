@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from bridge import __version__
-from bridge.client.residency import WorkerKey, WorkerView
+from bridge.contract.residency.views import WorkerKey, WorkerView
 from bridge.tools.observe.state import ObserveState
 
 LIVENESS = ("alive", "dead", "stopped")

@@ -12,10 +12,10 @@ from typing import Any
 import msgspec
 
 from bridge.client.chain import ALGOS, ChainHasher
-from bridge.client.index import ResidencyIndex
 from bridge.client.registry import RegistryFollower
-from bridge.client.residency import WorkerView
 from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
+from bridge.contract.residency.index import ResidencyIndex
+from bridge.contract.residency.views import WorkerView
 
 MAX_CHAIN = 65_536  # blocks in one query (a 1M-token prompt at block size 16)
 MAX_TOKENS = MAX_CHAIN * 64

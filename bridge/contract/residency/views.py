@@ -1,11 +1,11 @@
 """Residency of one worker and rank: per group, per medium, hash → copies.
 
-The data lives in the fleet structure (`bridge.client.fleet`), one for the
+The data lives in the fleet structure (`bridge.contract.residency.fleet`), one for the
 whole index; these are its per-worker faces, with the attributes and methods
 consumers read (docs/consumers.md). `trusted`, `suspect` and `placeholders`
 are read-only mappings medium → {hash: copies}, computed on reading.
 
-The rules for feeding it (records, epochs) live in `bridge.client.index`.
+The rules for feeding it (records, epochs) live in `bridge.contract.residency.index`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from bridge.contract import BlockHash
 
 if TYPE_CHECKING:
-    from bridge.client.fleet import FleetResidency
+    from bridge.contract.residency.fleet import FleetResidency
 
 Table = Mapping[BlockHash, int]
 
@@ -27,7 +27,7 @@ class WorkerKey(NamedTuple):
 
 
 def _private_fleet() -> FleetResidency:
-    from bridge.client.fleet import FleetResidency
+    from bridge.contract.residency.fleet import FleetResidency
 
     return FleetResidency()
 

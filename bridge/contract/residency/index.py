@@ -39,7 +39,7 @@ Semantics (docs/consumers.md has the long form):
   (`duplicates_ignored`): in JetStream mode the bridge publishes again what was
   not acked in time, and a core subscription sees both.
 
-Storage and queries are the fleet structure's (`bridge.client.fleet`: hash →
+Storage and queries are the fleet structure's (`bridge.contract.residency.fleet`: hash →
 holders per group and medium), so a query costs the chain's length whatever
 the number of workers; `fleet` is there for services that ask for many
 workers at once (`prefix_hits`) or for aggregate counts.
@@ -50,16 +50,37 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
-from bridge.client.fleet import FleetResidency
-from bridge.client.prefix import PrefixMatch
-from bridge.client.prefix import _group_limit as group_limit
-from bridge.client.residency import GroupResidency, WorkerKey, WorkerView
-from bridge.client.subscribe import BusMessage, Interruption
+import msgspec
+
 from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
 from bridge.contract.events import BlockHash, BlockStored
 from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
+from bridge.contract.residency.fleet import FleetResidency
+from bridge.contract.residency.prefix import PrefixMatch
+from bridge.contract.residency.prefix import _group_limit as group_limit
+from bridge.contract.residency.views import GroupResidency, WorkerKey, WorkerView
+
+
+class Interruption(msgspec.Struct, frozen=True):
+    """Messages may be missing before the next item: the consumer's own loss
+    (a core NATS disconnect, a slow-consumer drop), not one the bridge named."""
+
+    reason: Literal["disconnect", "slow_consumer"]
+    ts: float
+
+
+class Envelope(Protocol):
+    """A contract message as a subscription hands it over (bridge.client's
+    BusMessage): the body and when it came off the socket."""
+
+    @property
+    def body(self) -> GroupMessage | WorkerRecord: ...
+
+    @property
+    def received(self) -> float: ...
+
 
 DEFAULT_MEDIUM = GPU_MEDIUM  # vLLM before media existed reported only its GPU block pool
 MAX_LOST_RANGES = 16
@@ -138,19 +159,21 @@ class ResidencyIndex:
     # -- feeding ---------------------------------------------------------
 
     def apply(
-        self, item: BusMessage | Interruption | GroupMessage | WorkerRecord, received: float | None = None
+        self, item: Envelope | Interruption | GroupMessage | WorkerRecord, received: float | None = None
     ) -> None:
-        if type(item) is BusMessage:
-            received, body = item.received, item.body
-        elif type(item) is Interruption:
+        kind = type(item)
+        if kind is GroupMessage:
+            self.apply_group(item, received)  # type: ignore[arg-type]
+        elif kind is WorkerRecord:
+            self.apply_record(item)  # type: ignore[arg-type]
+        elif kind is Interruption:
             self.interrupt()
-            return
         else:
-            body = item  # type: ignore[assignment]
-        if type(body) is GroupMessage:
-            self.apply_group(body, received)
-        else:
-            self.apply_record(body)  # type: ignore[arg-type]
+            body = item.body  # type: ignore[union-attr]
+            if type(body) is GroupMessage:
+                self.apply_group(body, item.received)  # type: ignore[union-attr]
+            else:
+                self.apply_record(body)  # type: ignore[arg-type]
 
     def interrupt(self) -> None:
         """Messages may have been lost for every worker (this consumer's own gap)."""

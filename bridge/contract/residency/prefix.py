@@ -20,9 +20,9 @@ from collections.abc import Collection, Sequence
 
 import msgspec
 
-from bridge.client.hashes import lookup_keys
-from bridge.client.residency import GroupResidency, Table, WorkerView
 from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
+from bridge.contract.residency.hashes import lookup_keys
+from bridge.contract.residency.views import GroupResidency, Table, WorkerView
 
 
 class PrefixMatch(msgspec.Struct, frozen=True):

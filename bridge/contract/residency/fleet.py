@@ -10,7 +10,7 @@ process for a third of a second):
   256, which the collector stops tracking as they hold only ints and bytes);
   ids are freed and reused when nothing holds the hash any more. Ints and
   bytes are kept apart (a bytes query also looks up its int form, never the
-  reverse), as `bridge.client.hashes` says.
+  reverse), as `bridge.contract.residency.hashes` says.
 - Every worker rank gets a slot; a set of slots is a bitset (a Python int).
   Holder sets are interned in one table and named by a set id, a "sid": 0 is
   nobody, 2s+1 is slot s alone, even sids are the shared sets, counted by
@@ -30,7 +30,7 @@ process for a third of a second):
 
 A query turns the chain into ids, each group's column into runs of equal
 holder sets (equal sets have equal sids), and applies the hybrid rule
-(`bridge.client.prefix`) per width: attention = the whole run from block 0,
+(`bridge.contract.residency.prefix`) per width: attention = the whole run from block 0,
 window = its last k blocks, state = the block itself. Work per block is a
 few C-level passes; work per worker only where a worker's answer is not 0.
 """
@@ -45,9 +45,9 @@ from itertools import accumulate, compress, count, repeat
 from operator import add, and_, attrgetter, eq, is_, ne, or_, truth
 from typing import NamedTuple, Protocol
 
-from bridge.client.prefix import PrefixMatch, window_blocks
-from bridge.client.residency import WorkerKey
 from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
+from bridge.contract.residency.prefix import PrefixMatch, window_blocks
+from bridge.contract.residency.views import WorkerKey
 
 # _BITS[s] is 1 << s, one object per slot.
 _BITS: list[int] = []
