@@ -27,6 +27,7 @@ from bridge.access import (
     redact_url,
 )
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id
+from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
 
 # Per output format: what one frame may cost in memory once decoded stays
 # under the chart's 512 Mi limit (tests/test_hostile.py measures it).
@@ -71,6 +72,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
     Option("--registry-bucket", "str", DEFAULT_BUCKET, "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
     Option("--heartbeat-interval", "float", 5.0, "Seconds between worker registry heartbeats."),
+    Option("--snapshots", "bool", True,
+           "Keep each rank's residency as consumers will hold it and answer snapshot requests (the "
+           "kv-bridge-snapshot NATS service), so consumers that start late reach the same view."),
+    Option("--snapshot-bucket", "str", DEFAULT_SNAPSHOT_BUCKET,
+           "JetStream mode: key-value bucket keeping each rank's latest snapshot, for consumers that start while "
+           "the bridge is away and for the bridge's own restart; empty disables it."),
+    Option("--snapshot-interval", "float", 30.0, "JetStream mode: seconds between bucket snapshots of a rank that changed."),
+    Option("--snapshot-events", "int", 100000,
+           "JetStream mode: a rank's bucket snapshot is written sooner, once this many events came since the last."),
+    Option("--snapshot-log-bytes", "int", 32 * 1024 * 1024,
+           "Published bytes held before they are applied to the bridge's residency at once (otherwise it does so "
+           "when idle or for a snapshot)."),
     *NATS_AUTH_OPTIONS,
 )
 
@@ -110,6 +123,11 @@ class Settings(NatsAccess, frozen=True):
     js_ack_timeout: float
     registry_bucket: str
     heartbeat_interval: float
+    snapshots: bool
+    snapshot_bucket: str
+    snapshot_interval: float
+    snapshot_events: int
+    snapshot_log_bytes: int
 
     def __repr__(self) -> str:  # secrets must never reach a log line through repr
         return f"Settings(worker_id={self.worker_id!r}, nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
@@ -213,6 +231,9 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     check(values["js_ack_timeout"] > 0, "--js-ack-timeout", "must be positive")
     check(1 <= values["stream_replicas"] <= 5, "--stream-replicas", "must be 1..5 (NATS keeps at most 5 replicas)")
     check(values["heartbeat_interval"] > 0, "--heartbeat-interval", "must be positive")
+    check(values["snapshot_interval"] >= 1, "--snapshot-interval", "must be at least 1 second")
+    check(values["snapshot_events"] >= 1, "--snapshot-events", "must be at least 1")
+    check(values["snapshot_log_bytes"] >= 1024 * 1024, "--snapshot-log-bytes", "must be at least 1 MiB")
     settings = msgspec.convert(values, Settings)
     check_access(settings)
     return settings

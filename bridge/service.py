@@ -31,6 +31,10 @@ from bridge.sink.jetstream import ResumePoint, StreamConfigError, ensure_stream,
 from bridge.sink.publisher import NatsSink
 from bridge.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.sink.registry_writer import WorkerRegistry, ttl_for
+from bridge.snapshot.bucket import SnapshotWriter, open_bucket
+from bridge.snapshot.keeper import ResidencyKeeper, keep_up
+from bridge.snapshot.rebuild import rebuild_rank
+from bridge.snapshot.service import SnapshotService
 
 log = structlog.get_logger("bridge.service")
 
@@ -54,8 +58,16 @@ class Bridge:
             settings.max_buffered_batches, self._gap_batch, self.metrics.dropped_by["queue_overflow"].inc,
             settings.max_buffered_bytes, on_put=self.catalog.observe,
         )
+        self.keeper = ResidencyKeeper(settings.worker_id, settings.snapshot_log_bytes) if settings.snapshots else None
+        keeper = self.keeper
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
-                             on_reordered=self._reordered, fast_path=nats_fast_path)
+                             on_reordered=self._reordered, fast_path=nats_fast_path,
+                             on_written=keeper.published if keeper else None,
+                             on_stored=keeper.stored if keeper else None)
+        if keeper is not None:
+            self.metrics.watch_residency(lambda: (keeper.index.fleet.entries, keeper.log_bytes))
+        self.snapshots: SnapshotService | None = None
+        self._snapshot_writer: SnapshotWriter | None = None
         self._subscribed = 0
         self.ready = anyio.Event()
 
@@ -166,6 +178,7 @@ class Bridge:
                     await self.sink.flush()
                 if scope.cancelled_caught:
                     log.warning("drain_timeout", left=len(self.queue))
+                await self._stop_snapshots()
                 if self._registry is not None:
                     with anyio.move_on_after(2.0):
                         await self._registry.stopped(self.registry_entry())
@@ -180,18 +193,75 @@ class Bridge:
     async def _connect_and_publish(self, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
         await self._start_registry(tg)
+        await self._start_snapshots(tg)
         await self.sink.run()
 
     async def _resume_then_read(self, readers: anyio.abc.TaskGroup, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
         points = await self._open_stream()
+        await self._open_snapshot_bucket(points)
         for pipeline, point in zip(self._pipelines, points):
             if point is not None:
                 pipeline.resume(point)
         await self._start_registry(tg)
+        await self._start_snapshots(tg)
         tg.start_soon(self.sink.run)
         for pipeline in self._pipelines:
             readers.start_soon(pipeline.run, self._on_subscribed)
+
+    async def _open_snapshot_bucket(self, points: list[ResumePoint | None]) -> None:
+        """JetStream mode: the snapshot bucket, and for each rank that resumes
+        the residency it had, rebuilt from the bucket and the stream (before
+        any new batch is taken, so the rebuilt view and the new acks meet in
+        stream order)."""
+        s = self.settings
+        if self.keeper is None or not s.snapshot_bucket or self.sink.js is None:
+            return
+        js = self.sink.js
+        try:
+            kv = await open_bucket(js, s.snapshot_bucket, replicas=s.stream_replicas, max_age=s.stream_max_age)
+        except Exception as exc:  # no JetStream for the bucket, or no permission: service-only snapshots
+            log.warning("snapshot_bucket_unavailable", bucket=s.snapshot_bucket, error=type(exc).__name__,
+                        detail=str(exc)[:200])
+            return
+        writer = SnapshotWriter(
+            self.keeper, kv, self.metrics, interval=s.snapshot_interval, every_messages=s.snapshot_events,
+            max_payload=self._max_payload(), rewrite_after=max(s.snapshot_interval, s.stream_max_age / 2 or 3600.0),
+        )
+        for pipeline, point in zip(self._pipelines, points):
+            if point is None:
+                continue
+            head = await rebuild_rank(js, self.keeper, kv, stream=s.stream_name, subject_base=pipeline.subjects.base,
+                                      dp_rank=pipeline.plan.dp_rank)
+            writer.resume_slot(pipeline.plan.dp_rank, head)
+        self._snapshot_writer = writer
+
+    async def _start_snapshots(self, tg: anyio.abc.TaskGroup) -> None:
+        keeper = self.keeper
+        if keeper is None or self.sink.nc is None:
+            return
+        tg.start_soon(keep_up, keeper, lambda: not len(self.queue))
+        if self._snapshot_writer is not None:
+            tg.start_soon(self._snapshot_writer.run)
+        service = SnapshotService(keeper, self.settings.subject_prefix, [p.plan.dp_rank for p in self._pipelines],
+                                  self.metrics, self._max_payload)
+        try:
+            await service.start(self.sink.nc)
+        except Exception as exc:  # e.g. no permission for its subjects: the bridge runs on without it
+            log.error("snapshot_service_failed", error=type(exc).__name__, detail=str(exc)[:200])
+            return
+        self.snapshots = service
+
+    async def _stop_snapshots(self) -> None:
+        """The last snapshots, after the stop records are stored, into the bucket."""
+        if self._snapshot_writer is not None:
+            with anyio.move_on_after(max(1.0, self.settings.drain_timeout / 2)):
+                try:
+                    await self._snapshot_writer.write_due(everything=True)
+                except Exception as exc:  # best effort on the way out
+                    log.warning("snapshot_final_write_failed", error=type(exc).__name__)
+        if self.snapshots is not None:
+            await self.snapshots.stop()
 
     async def _open_stream(self) -> list[ResumePoint | None]:
         """The stream made or verified, and each pipeline's resume point read

@@ -17,15 +17,30 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Final, Literal
 
+import anyio
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
 from bridge.client.access import BusConnection
+from bridge.client.bootstrap import (
+    BootstrapOptions,
+    Found,
+    RankKey,
+    SnapshotSource,
+    discover,
+    fetch_all,
+    open_snapshot_bucket,
+    rank_of,
+    resets,
+    splice_buffer,
+)
 from bridge.client.codec import Body, BusCodec, BusDecodeError
 from bridge.contract import DEFAULT_STREAM
 from bridge.contract.residency.index import Interruption
+from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -35,17 +50,18 @@ class StartAt(msgspec.Struct, frozen=True):
     """Where a JetStream replay begins: the whole stream, a stream sequence, or
     a wall-clock time (unix seconds)."""
 
-    policy: Literal["all", "seq", "time"]
+    policy: Literal["all", "seq", "time", "snapshot"]
     seq: int = 0
     time: float = 0.0
 
 
 def parse_since(text: str, now: float | None = None) -> StartAt:
-    """`all`, a stream sequence (`12345`), an age (`90s`, `10m`, `2h`, `1d`) or
-    an ISO-8601 time (`2025-01-31T12:00:00Z`). Raises ValueError."""
+    """`all`, `snapshot` (each rank's snapshot, then the stream after it), a
+    stream sequence (`12345`), an age (`90s`, `10m`, `2h`, `1d`) or an
+    ISO-8601 time (`2025-01-31T12:00:00Z`). Raises ValueError."""
     text = text.strip()
-    if text == "all":
-        return StartAt("all")
+    if text in ("all", "snapshot"):
+        return StartAt(text)  # type: ignore[arg-type]
     if text.isdigit():
         seq = int(text)
         if seq < 1:
@@ -59,7 +75,7 @@ def parse_since(text: str, now: float | None = None) -> StartAt:
         when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise ValueError(
-            f"--since {text!r}: expected all, a stream sequence, an age like 10m, or an ISO time"
+            f"--since {text!r}: expected all, snapshot, a stream sequence, an age like 10m, or an ISO time"
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
@@ -78,7 +94,7 @@ class BusMessage(msgspec.Struct, gc=False):
     stream_seq: int | None = None
 
 
-BusItem = BusMessage | Interruption
+BusItem = BusMessage | Interruption | RankSnapshot | SnapshotMissing
 
 
 def consumer_config(start: StartAt) -> api.ConsumerConfig:
@@ -98,6 +114,12 @@ class BusSubscriber:
         async with BusSubscriber(conn, "kv.>") as sub:
             async for item in sub:
                 index.apply(item)
+
+    With `bootstrap` (core NATS) or `since=StartAt("snapshot")` (a stream),
+    the items begin with each worker rank's snapshot (or a SnapshotMissing)
+    and go on with only what came after it (bridge.client.bootstrap); a rank
+    first seen later, not with a record that resets it, gets a
+    SnapshotMissing first.
     """
 
     def __init__(
@@ -108,6 +130,7 @@ class BusSubscriber:
         since: StartAt | None = None,
         stream: str = DEFAULT_STREAM,
         codec: BusCodec | None = None,
+        bootstrap: BootstrapOptions | None = None,
     ) -> None:
         self._conn = conn
         self.subject = subject
@@ -119,6 +142,15 @@ class BusSubscriber:
         self.delivered = 0
         self._seen_disconnects = 0
         self._seen_drops = 0
+        if bootstrap is None and since is not None and since.policy == "snapshot":
+            bootstrap = BootstrapOptions()
+        self.bootstrap = bootstrap
+        # Where each rank's bootstrap came from (empty until it ran).
+        self.sources: list[SnapshotSource] = []
+        # Bootstrapping: the snapshots and what to skip; after it, the ranks known.
+        self._opening: list[BusItem] = []
+        self._skip_seq: dict[RankKey, int] = {}
+        self._known: set[RankKey] | None = None
 
     async def start(self) -> None:
         nc = self._conn.nc
@@ -130,9 +162,8 @@ class BusSubscriber:
             await nc.flush()
         else:
             js = nc.jetstream()
-            self._sub = await js.subscribe(
-                self.subject, stream=self.stream, ordered_consumer=True, config=consumer_config(self.since)
-            )
+            config = await self._stream_bootstrap() if self.since.policy == "snapshot" else consumer_config(self.since)
+            self._sub = await js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, config=config)
         self._seen_disconnects = self._conn.disconnects
 
     async def stop(self) -> None:
@@ -158,14 +189,94 @@ class BusSubscriber:
     async def items(self) -> AsyncIterator[BusItem]:
         if self._sub is None:
             raise RuntimeError("start() first")
+        if self.bootstrap is not None and self.since is None:
+            self._opening = await self._core_bootstrap()
+        opening, self._opening = self._opening, []
+        for first in opening:
+            yield first
         async for msg in self._sub.messages:
             interruption = self._interruption()
             if interruption is not None:
                 yield interruption
             item = self._decode(msg)
-            if item is not None:
-                self.delivered += 1
-                yield item
+            if item is None:
+                continue
+            if self._known is not None:
+                key = rank_of(item.body)
+                if key is not None and key not in self._known:
+                    self._known.add(key)
+                    if not resets(item.body):
+                        yield SnapshotMissing(key[0], key[1], "first seen after the bootstrap")
+                if key is not None and item.stream_seq is not None and item.stream_seq <= self._skip_seq.get(key, 0):
+                    continue  # in the rank's snapshot already
+            self.delivered += 1
+            yield item
+
+    async def _core_bootstrap(self) -> list[BusItem]:
+        """Snapshots fetched while the subscription buffers, spliced (bridge.client.bootstrap)."""
+        assert self._sub is not None and self.bootstrap is not None
+        nc = self._conn.nc
+        assert nc is not None
+        opts = self.bootstrap
+        kv = await open_snapshot_bucket(nc, opts.bucket)
+        buffered: list[BusItem] = []
+        found: dict[RankKey, Found] = {}
+        sub = self._sub
+
+        async def take() -> None:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=None)
+                except nats.errors.TimeoutError:
+                    continue
+                interruption = self._interruption()
+                if interruption is not None:
+                    buffered.append(interruption)
+                item = self._decode(msg)
+                if item is not None:
+                    buffered.append(item)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take)
+            wanted = await discover(nc, opts, kv)
+            # Ranks the buffer shows that discovery missed: a second round for them.
+            for _ in range(2):
+                wanted |= {k for k in map(rank_of, (getattr(b, "body", None) for b in buffered)) if k is not None}
+                wanted -= set(found)
+                if not wanted:
+                    break
+                got, sources = await fetch_all(nc, opts, kv, wanted)
+                found.update(got)
+                self.sources.extend(sources)
+            tg.cancel_scope.cancel()
+        self._known = set(found)
+        items = splice_buffer(buffered, found)
+        self.delivered += sum(1 for i in items if type(i) is BusMessage)
+        return items  # type: ignore[return-value]
+
+    async def _stream_bootstrap(self) -> api.ConsumerConfig:
+        """Snapshots first, then the stream from the oldest of their stream
+        sequences (each rank skipping up to its own)."""
+        nc = self._conn.nc
+        assert nc is not None and self.bootstrap is not None
+        opts = self.bootstrap
+        kv = await open_snapshot_bucket(nc, opts.bucket)
+        found, self.sources = await fetch_all(nc, opts, kv, await discover(nc, opts, kv))
+        first = (await nc.jetstream().stream_info(self.stream)).state.first_seq
+        opening: list[BusItem] = []
+        for key, snap in sorted(found.items()):
+            opening.append(snap)  # type: ignore[arg-type]
+            if type(snap) is RankSnapshot:
+                self._skip_seq[key] = snap.stream_seq
+                if snap.stream_seq + 1 < first:
+                    opening.append(SnapshotMissing(key[0], key[1], "the stream no longer holds what followed the "
+                                                   "snapshot"))  # type: ignore[arg-type]
+        self._opening = opening
+        self._known = set(found)
+        starts = [seq + 1 for seq in self._skip_seq.values()]
+        if not starts:
+            return consumer_config(StartAt("all"))
+        return consumer_config(StartAt("seq", seq=max(first, min(starts))))
 
     def _interruption(self) -> Interruption | None:
         if self.since is not None or self._sub is None:

@@ -151,6 +151,13 @@ class _HotCollector(Collector):
                                 value=messages)
         yield GaugeMetricFamily("kvbridge_js_in_flight_bytes", "Encoded bytes of JetStream publishes awaiting their ack.",
                                 value=size)
+        entries, log_bytes = m._residency()
+        yield GaugeMetricFamily("kvbridge_residency_entries",
+                                "(rank, group, medium, hash) entries the bridge's own residency holds (snapshots).",
+                                value=entries)
+        yield GaugeMetricFamily("kvbridge_residency_log_bytes",
+                                "Encoded bytes published but not yet applied to the bridge's residency.",
+                                value=log_bytes)
 
 
 def _nothing_in_flight() -> tuple[int, int]:
@@ -213,6 +220,20 @@ class Metrics:
             "gap record, reason reordered).",
             registry=r,
         )
+        self.snapshot_requests = Counter(
+            "kvbridge_snapshot_requests_total",
+            "Snapshot service requests, by result (taken, part, expired, unknown_rank, bad_request).",
+            ["result"], registry=r,
+        )
+        self.snapshot_writes = Counter(
+            "kvbridge_snapshot_writes_total", "Snapshots written to the JetStream bucket, by result (written, failed).",
+            ["result"], registry=r,
+        )
+        self.snapshot_bytes = Gauge("kvbridge_snapshot_bytes", "Encoded size of the last snapshot taken.", registry=r)
+        self.snapshot_seconds = Counter(
+            "kvbridge_snapshot_seconds_total", "Time spent taking snapshots for the service (applying the log, "
+            "encoding).", registry=r,
+        )
         self.nats_permission_denied = Counter(
             "kvbridge_nats_permission_denied_total",
             "Permission violations the NATS server reported, by operation (publish, subscribe).",
@@ -235,6 +256,7 @@ class Metrics:
         self.last_seq = LevelBy()
         self.queue_depth = Level()
         self._js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
+        self._residency: Callable[[], tuple[int, int]] = _nothing_in_flight
         self.lag = Buckets(LAG_BUCKETS)
         self.js_window_waits = Count()
         self.js_window_wait_s = Count()
@@ -244,6 +266,10 @@ class Metrics:
         """`read` says (messages, bytes) awaiting a JetStream ack: the sink's
         ack window registers it once it exists, and scrapes call it."""
         self._js_in_flight = read
+
+    def watch_residency(self, read: Callable[[], tuple[int, int]]) -> None:
+        """`read` says (entries held, log bytes not yet applied) of the bridge's residency."""
+        self._residency = read
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

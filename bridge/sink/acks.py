@@ -193,8 +193,10 @@ class _Stored:
 class AckWindow:
     """In send order: what was published and not yet stored."""
 
-    def __init__(self, inbox: str = "") -> None:
+    def __init__(self, inbox: str = "", on_stored: Callable[[Outgoing, bytes], None] | None = None) -> None:
         self.inbox = inbox
+        # Told of every message the stream stored, with its ack, in ack order.
+        self._on_stored = on_stored
         self._prefix_len = len(inbox) + 1
         # Token → message; tokens are send order (a copy sent again keeps its token).
         self._pending: dict[int, Pending] = {}
@@ -339,6 +341,8 @@ class AckWindow:
             self._wake(token)
             return
         self.bytes -= entry.msg.nbytes
+        if self._on_stored is not None:
+            self._on_stored(entry.msg, data)
         if token == self._head and entry.doubt is None and not self._ahead and not self._resent:
             # The oldest, acked first, nothing in doubt: nothing to compare.
             self._head = token + 1

@@ -120,6 +120,8 @@ class NatsSink:
         *,
         on_refused: Callable[[OutBatch], None] = _no_refusal_handler,
         on_reordered: Callable[[list[OutBatch]], None] = _no_reorder_handler,
+        on_written: Callable[[list[Outgoing]], None] | None = None,
+        on_stored: Callable[[Outgoing, bytes], None] | None = None,
         fast_path: bool = True,
     ) -> None:
         self._settings = settings
@@ -138,6 +140,10 @@ class NatsSink:
         metrics.watch_in_flight(self.in_flight)
         self._on_refused = on_refused
         self._on_reordered = on_reordered
+        # What consumers will see, for the bridge's own residency: in core mode
+        # each batch once written, in JetStream mode each message once stored.
+        self._on_written = on_written if not settings.jetstream else None
+        self._on_stored = on_stored
         self._path = select_path(fast_path)
         self._last_refused: OutBatch | None = None
         self.stall_s = min(settings.js_ack_timeout, _STALL_S)
@@ -262,7 +268,7 @@ class NatsSink:
         if self._settings.jetstream:
             self.js = nc.jetstream()
             # Acks for the window's reply subjects; nats-py re-subscribes after a reconnect.
-            self._acks = AckWindow(nc.new_inbox())
+            self._acks = AckWindow(nc.new_inbox(), self._on_stored)
             await self._path.route_acks(nc, self._acks.inbox, self._acks.on_ack)
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
@@ -537,7 +543,10 @@ class NatsSink:
         lag = metrics.lag
         now = time.time()
         vllm_batches = 0
+        written = self._on_written
         for batch in batches:
+            if written is not None:
+                written(batch.messages)
             for msg in batch.messages:
                 family = msg.family
                 messages_out[family].value += 1

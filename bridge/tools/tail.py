@@ -13,9 +13,11 @@ import nats.js.errors
 
 from bridge.access import ConfigError, NatsAccess
 from bridge.client.access import BusConnection, access_settings, add_access_arguments
+from bridge.client.bootstrap import BootstrapOptions, add_bootstrap_arguments, bootstrap_options
 from bridge.client.subscribe import DEFAULT_STREAM, BusMessage, BusSubscriber, Interruption, StartAt, parse_since
 from bridge.contract import GroupMessage
-from bridge.tools.render import render_group, render_record
+from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
+from bridge.tools.render import render_group, render_record, render_snapshot, snapshot_summary
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,12 +29,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("subject", nargs="?", default=None,
                         help="Subject filter (default: <prefix>.>, e.g. 'kv.pod-a.*' for one worker).")
     parser.add_argument("--since", default=None,
-                        help="Replay from the JetStream stream first: 'all', a stream sequence, an age "
-                             "(90s, 10m, 2h) or an ISO time; then keep following.")
+                        help="Replay from the JetStream stream first: 'snapshot' (each rank's snapshot as one line, "
+                             "then the stream after it), 'all', a stream sequence, an age (90s, 10m, 2h) or an ISO "
+                             "time; then keep following.")
     parser.add_argument("--stream-name", default=DEFAULT_STREAM, help="JetStream stream for --since.")
     parser.add_argument("--json", action="store_true",
                         help="One JSON object per line (hashes as hex strings, or ints as published).")
     parser.add_argument("--count", type=int, default=0, help="Exit after N messages (0: never).")
+    add_bootstrap_arguments(parser, by_default=False)
     add_access_arguments(parser)
     parser.set_defaults(func=_cmd_tail)
 
@@ -46,7 +50,8 @@ def _cmd_tail(args: argparse.Namespace) -> int:
         return 2
     subject = args.subject or f"{settings.subject_prefix}.>"
     try:
-        return anyio.run(tail, settings, subject, since, args.stream_name, args.json, args.count, sys.stdout)
+        boot = bootstrap_options(args, settings.subject_prefix)
+        return anyio.run(tail, settings, subject, since, args.stream_name, args.json, args.count, sys.stdout, boot)
     except KeyboardInterrupt:
         return 0
 
@@ -81,7 +86,7 @@ def text_line(item: BusMessage) -> str:
 
 
 async def tail(settings: NatsAccess, subject: str, since: StartAt | None, stream: str, as_json: bool, count: int,
-               out: TextIO) -> int:
+               out: TextIO, bootstrap: BootstrapOptions | None = None) -> int:
     conn = BusConnection()
     try:
         await conn.open(settings, "kv-bridge tail")
@@ -90,10 +95,14 @@ async def tail(settings: NatsAccess, subject: str, since: StartAt | None, stream
         return 1
     seen = 0
     try:
-        async with BusSubscriber(conn, subject, since=since, stream=stream) as sub:
+        async with BusSubscriber(conn, subject, since=since, stream=stream, bootstrap=bootstrap) as sub:
             async for item in sub:
                 if type(item) is Interruption:
                     print(f"-- {item.reason}: messages may be missing here --", file=sys.stderr, flush=True)
+                    continue
+                if type(item) is RankSnapshot or type(item) is SnapshotMissing:
+                    out.write((json.dumps(snapshot_summary(item)) if as_json else render_snapshot(item)) + "\n")
+                    out.flush()
                     continue
                 out.write((json_line(item) if as_json else text_line(item)) + "\n")  # type: ignore[arg-type]
                 out.flush()

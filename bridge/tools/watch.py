@@ -22,6 +22,7 @@ from rich.text import Text
 
 from bridge.access import ConfigError, NatsAccess
 from bridge.client.access import BusConnection, access_settings, add_access_arguments
+from bridge.client.bootstrap import BootstrapOptions, add_bootstrap_arguments, bootstrap_options
 from bridge.client.registry import DEFAULT_BUCKET, RegistryFollower, declare_entry
 from bridge.client.subscribe import DEFAULT_STREAM, BusSubscriber, StartAt, parse_since
 from bridge.contract import DEFAULT_DEAD_AFTER
@@ -33,7 +34,7 @@ _LIVENESS_STYLE = {"alive": "green", "dead": "bold red", "stopped": "yellow", "w
 
 
 class WatchOptions:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, prefix: str = "kv") -> None:
         self.once: bool = args.once
         self.duration: float | None = args.duration
         self.refresh: float = args.refresh
@@ -42,6 +43,7 @@ class WatchOptions:
         self.since: StartAt | None = parse_since(args.since) if args.since else None
         self.stream: str = args.stream_name
         self.width: int | None = args.width
+        self.bootstrap: BootstrapOptions | None = bootstrap_options(args, prefix)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,9 +62,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--dead-after", type=float, default=DEFAULT_DEAD_AFTER,
                         help="A worker is dead after this many heartbeat intervals without one.")
     parser.add_argument("--since", default=None,
-                        help="Rebuild the view from the JetStream stream first ('all', a sequence, an age like 10m).")
+                        help="Rebuild the view from the JetStream stream first: 'snapshot' (each rank's snapshot, "
+                             "then the stream after it), 'all', a sequence, or an age like 10m.")
     parser.add_argument("--stream-name", default=DEFAULT_STREAM, help="JetStream stream for --since.")
     parser.add_argument("--width", type=int, default=None, help="Table width (default: the terminal's).")
+    add_bootstrap_arguments(parser, by_default=True)
     add_access_arguments(parser)
     parser.set_defaults(func=_cmd_watch)
 
@@ -70,7 +74,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _cmd_watch(args: argparse.Namespace) -> int:
     try:
         settings = access_settings(args)
-        opts = WatchOptions(args)
+        opts = WatchOptions(args, settings.subject_prefix)
     except (ConfigError, ValueError) as exc:
         print(f"kv-bridge watch: {exc}", file=sys.stderr)
         return 2
@@ -218,7 +222,7 @@ async def watch(settings: NatsAccess, opts: WatchOptions, out: TextIO) -> int:
     duration = opts.duration if opts.duration is not None else (2.0 if opts.once else None)
     subject = f"{settings.subject_prefix}.>"
     try:
-        async with BusSubscriber(conn, subject, since=opts.since, stream=opts.stream) as sub:
+        async with BusSubscriber(conn, subject, since=opts.since, stream=opts.stream, bootstrap=opts.bootstrap) as sub:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_feed, sub, index)
                 if follower is not None:

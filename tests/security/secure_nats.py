@@ -148,10 +148,13 @@ class Operator:
         issuer = signer or self.account
         pub: dict[str, object] = {}
         sub: dict[str, object] = {}
+        claims: dict[str, object] = {}
         if permissions is not None:
             pub, sub = {"allow": permissions.publish}, {"allow": permissions.subscribe}
+            if permissions.allow_responses:
+                claims["resp"] = {"max": 1, "ttl": 0}
         jwt = _jwt(issuer, user.public, name, {"pub": pub, "sub": sub, "subs": -1, "data": -1,
-                                               "payload": -1, "type": "user", "version": 2})
+                                               "payload": -1, "type": "user", "version": 2, **claims})
         path.write_text(
             "-----BEGIN NATS USER JWT-----\n" f"{jwt}\n" "------END NATS USER JWT------\n\n"
             "************************* IMPORTANT *************************\n"
@@ -188,38 +191,59 @@ def make_operator(jetstream: bool = False) -> Operator:
 class Permissions:
     publish: list[str]
     subscribe: list[str]
+    # May answer a request once on its reply subject (the snapshot service).
+    allow_responses: bool = False
 
     def conf(self) -> str:
         """As a nats-server `permissions` block."""
         pub = ", ".join(json.dumps(x) for x in self.publish)
         sub = ", ".join(json.dumps(x) for x in self.subscribe)
-        return f"{{ publish: {{ allow: [{pub}] }}, subscribe: {{ allow: [{sub}] }} }}"
+        responses = ", allow_responses: true" if self.allow_responses else ""
+        return f"{{ publish: {{ allow: [{pub}] }}, subscribe: {{ allow: [{sub}] }}{responses} }}"
 
 
 def bridge_permissions(worker: str, ranks: int = 1, prefix: str = "kv", stream: str = "KV_EVENTS",
-                       bucket: str = "kv_workers") -> Permissions:
+                       bucket: str = "kv_workers", snapshots: str = "kv_snapshots") -> Permissions:
     """What one bridge needs, and nothing more (docs/security.md, "Least
     privilege"): publish on its own worker's subjects, each rank's; read back
-    its own last messages (direct get by subject); make or check the stream
-    and the registry bucket; write its own registry key; replies on _INBOX."""
+    its own last messages (direct get by subject) and, to rebuild its
+    residency, its own subjects from the stream (a consumer of its own name
+    and filter); make or check the stream and the buckets; write its own
+    registry key and snapshot keys; answer snapshot requests on its own
+    subjects (and the micro service's discovery); replies on _INBOX."""
     from bridge.contract import registry_key, worker_token
+    from bridge.contract.snapshot import SNAPSHOT_SERVICE, snapshot_key, snapshot_subject
 
     publish: list[str] = []
+    subscribe = ["_INBOX.>"]
     for rank in range(ranks):
         token = worker_token(worker, rank)
-        publish += [f"{prefix}.{token}.>", f"$JS.API.DIRECT.GET.{stream}.{prefix}.{token}.>"]
+        key = snapshot_key(worker, rank)
+        rebuild = f"kvb-rebuild-{token}"
+        publish += [f"{prefix}.{token}.>", f"$JS.API.DIRECT.GET.{stream}.{prefix}.{token}.>",
+                    f"$JS.API.CONSUMER.CREATE.{stream}.{rebuild}.{prefix}.{token}.>",
+                    f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{rebuild}", f"$JS.API.CONSUMER.DELETE.{stream}.{rebuild}",
+                    f"$KV.{snapshots}.{key}", f"$KV.{snapshots}.{key}.>",
+                    f"$JS.API.DIRECT.GET.KV_{snapshots}.$KV.{snapshots}.{key}",
+                    f"$JS.API.DIRECT.GET.KV_{snapshots}.$KV.{snapshots}.{key}.>"]
+        subscribe.append(snapshot_subject(prefix, worker, rank))
     publish += ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}",
                 f"$JS.API.STREAM.INFO.KV_{bucket}", f"$JS.API.STREAM.CREATE.KV_{bucket}",
-                f"$KV.{bucket}.{registry_key(worker)}"]
-    return Permissions(publish, ["_INBOX.>"])
+                f"$KV.{bucket}.{registry_key(worker)}",
+                f"$JS.API.STREAM.INFO.KV_{snapshots}", f"$JS.API.STREAM.CREATE.KV_{snapshots}"]
+    subscribe += ["$SRV.*", f"$SRV.*.{SNAPSHOT_SERVICE}", f"$SRV.*.{SNAPSHOT_SERVICE}.*"]
+    return Permissions(publish, subscribe, allow_responses=True)
 
 
-def reader_permissions(prefix: str = "kv", stream: str = "KV_EVENTS", bucket: str = "kv_workers") -> Permissions:
-    """A consumer: subscribe to the events, read the stream and the registry
-    (stream info, direct gets, consumers of its own); publish nothing on the
-    events or the registry."""
-    publish = ["$JS.API.INFO"]
-    for name in (stream, f"KV_{bucket}"):
+def reader_permissions(prefix: str = "kv", stream: str = "KV_EVENTS", bucket: str = "kv_workers",
+                       snapshots: str = "kv_snapshots") -> Permissions:
+    """A consumer: subscribe to the events, read the stream, the registry and
+    the snapshot bucket (stream info, direct gets, consumers of its own), ask
+    the bridges for snapshots; publish nothing on the events or the buckets."""
+    from bridge.contract.snapshot import SNAPSHOT_ROOT, SNAPSHOT_SERVICE
+
+    publish = ["$JS.API.INFO", f"{SNAPSHOT_ROOT}.{prefix}.*", f"$SRV.INFO.{SNAPSHOT_SERVICE}"]
+    for name in (stream, f"KV_{bucket}", f"KV_{snapshots}"):
         publish += [f"$JS.API.STREAM.INFO.{name}", f"$JS.API.STREAM.MSG.GET.{name}",
                     f"$JS.API.DIRECT.GET.{name}", f"$JS.API.DIRECT.GET.{name}.>",
                     f"$JS.API.CONSUMER.CREATE.{name}", f"$JS.API.CONSUMER.CREATE.{name}.>",

@@ -226,6 +226,7 @@ class FleetResidency:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._suspect: list[int] = []  # per slot: entries with a suspect copy (stale while > 0)
+        self._partial: set[int] = set()  # slots whose view may lack part of its history (+1 in _suspect)
         self._worker_bits: dict[str, int] = {}
         self._all = 0
         self._watching = 0
@@ -333,6 +334,7 @@ class FleetResidency:
         self._S[2 * slot + 1] = b
         self._keys[slot] = key
         self._suspect[slot] = 0
+        self._partial.discard(slot)
         self._all |= b
         self._watching |= b
         self._worker_bits[key.worker] = self._worker_bits.get(key.worker, 0) | b
@@ -367,6 +369,16 @@ class FleetResidency:
 
     def stale(self, slot: int) -> bool:
         return self._suspect[slot] > 0
+
+    def set_partial(self, slot: int, partial: bool) -> None:
+        """A view that may lack part of its history counts as stale, like one
+        holding suspect copies: one extra suspect count while it lasts."""
+        if partial != (slot in self._partial):
+            self._suspect[slot] += 1 if partial else -1
+            if partial:
+                self._partial.add(slot)
+            else:
+                self._partial.discard(slot)
 
     def set_shape(self, slot: int, group: int, shape: GroupShape) -> None:
         self._shape.setdefault(slot, {})[group] = shape

@@ -61,6 +61,7 @@ from bridge.contract.residency.fleet import FleetResidency
 from bridge.contract.residency.prefix import PrefixMatch
 from bridge.contract.residency.prefix import _group_limit as group_limit
 from bridge.contract.residency.views import GroupResidency, WorkerKey, WorkerView
+from bridge.contract.snapshot import SNAPSHOT_VERSION, GroupState, RankSnapshot, SnapshotMissing, TierState
 
 
 class Interruption(msgspec.Struct, frozen=True):
@@ -159,7 +160,9 @@ class ResidencyIndex:
     # -- feeding ---------------------------------------------------------
 
     def apply(
-        self, item: Envelope | Interruption | GroupMessage | WorkerRecord, received: float | None = None
+        self,
+        item: Envelope | Interruption | GroupMessage | WorkerRecord | RankSnapshot | SnapshotMissing,
+        received: float | None = None,
     ) -> None:
         kind = type(item)
         if kind is GroupMessage:
@@ -168,6 +171,10 @@ class ResidencyIndex:
             self.apply_record(item)  # type: ignore[arg-type]
         elif kind is Interruption:
             self.interrupt()
+        elif kind is RankSnapshot:
+            self.restore(item)  # type: ignore[arg-type]
+        elif kind is SnapshotMissing:
+            self.missing(item.worker, item.dp_rank)  # type: ignore[union-attr]
         else:
             body = item.body  # type: ignore[union-attr]
             if type(body) is GroupMessage:
@@ -358,6 +365,7 @@ class ResidencyIndex:
             view.clears += 1
             for g in view.groups.values():
                 g.clear()
+            view.partial = False  # empty is a view with nothing missing
         elif rec.type == "stop":
             view.watching = False
 
@@ -374,3 +382,95 @@ class ResidencyIndex:
             view = self._new_view(key, 0)
         else:
             self._seed(view, group, decl)
+
+    # -- snapshots (bridge.contract.snapshot) ------------------------------
+
+    def snapshot(self, worker: str, dp_rank: int, *, through: str = "", stream_seq: int = 0,
+                 now: float | None = None) -> RankSnapshot | None:
+        """The rank's view as a snapshot after the message `through` (None
+        when the index has no view of the rank)."""
+        view = self.views.get(WorkerKey(worker, dp_rank))
+        if view is None:
+            return None
+        groups = []
+        for number, g in sorted(view.groups.items()):
+            tiers = []
+            for medium in g.trusted:  # every medium the group has a cell in
+                trusted, trusted_n = _layer(g.trusted[medium].items())
+                suspect, suspect_n = _layer(g.suspect[medium].items())
+                held, held_n = _layer(g.placeholders[medium].items())
+                tiers.append(TierState(medium, trusted, trusted_n, suspect, suspect_n, held, held_n))
+            groups.append(GroupState(number, g.kind, g.family, g.block_size, g.window, g.last_position, g.stored,
+                                     g.removed, g.unknown_removals, tiers))
+        return RankSnapshot(
+            v=SNAPSHOT_VERSION, worker=worker, dp_rank=dp_rank, epoch=view.epoch,
+            taken_at=time.time() if now is None else now, complete=not view.partial, through=through,
+            stream_seq=stream_seq, topic=view.topic, last_seq=view.last_seq, last_ts=view.last_ts,
+            watching=view.watching, messages=view.messages, gaps=view.gaps, restarts=view.restarts,
+            clears=view.clears, duplicates_ignored=view.duplicates_ignored, old_epoch_ignored=view.old_epoch_ignored,
+            lost=list(view.lost), groups=groups,
+        )
+
+    def restore(self, snap: RankSnapshot) -> WorkerView:
+        """The rank's view replaced by the snapshot's: what a consumer that
+        watched from the start holds after the snapshot's message."""
+        key = WorkerKey(snap.worker, snap.dp_rank)
+        view = self.views.get(key)
+        if view is None:
+            view = self._new_view(key, snap.epoch)
+        else:
+            self._reset(view, snap.epoch)
+        view.topic = snap.topic
+        view.last_seq, view.last_ts = snap.last_seq, snap.last_ts
+        view.messages, view.gaps, view.restarts, view.clears = snap.messages, snap.gaps, snap.restarts, snap.clears
+        view.duplicates_ignored, view.old_epoch_ignored = snap.duplicates_ignored, snap.old_epoch_ignored
+        view.lost = [tuple(r) for r in snap.lost]  # type: ignore[misc]
+        view.watching = snap.watching
+        for gs in snap.groups:
+            g = view.group(gs.group, gs.kind, gs.family)
+            g.learn(gs.kind, gs.family)
+            g.block_size, g.window = gs.block_size, gs.window
+            g.last_position = tuple(gs.last_position) if gs.last_position is not None else None  # type: ignore[assignment]
+            # Suspect copies are trusted ones demoted: stored first, demoted,
+            # then the trusted copies on top (a hash may have both).
+            suspect = [(t.medium, _copies(t.suspect, t.suspect_copies)) for t in gs.tiers if t.suspect]
+            for medium, hashes in suspect:
+                g.store(medium, hashes, False)
+            if suspect:
+                g.demote()
+            for t in gs.tiers:
+                g.store(t.medium, _copies(t.trusted, t.trusted_copies), False)
+                if t.placeholders:
+                    g.store(t.medium, _copies(t.placeholders, t.placeholder_copies), True)
+            g.stored, g.removed, g.unknown_removals = gs.stored, gs.removed, gs.unknown_removals
+        view.partial = not snap.complete
+        return view
+
+    def missing(self, worker: str, dp_rank: int) -> WorkerView:
+        """No snapshot of the rank could be had: its view is what messages
+        tell from now on, stale until a record empties it."""
+        key = WorkerKey(worker, dp_rank)
+        view = self.views.get(key) or self._new_view(key, 0)
+        view.partial = True
+        return view
+
+
+# vLLM adds a copy per physical block holding a hash: a handful. A count far
+# beyond it in a snapshot is damage, not residency (and would be expanded).
+_MAX_COPIES = 1 << 16
+
+
+def _layer(items: list[tuple[BlockHash, int]]) -> tuple[list[BlockHash], list[int]]:
+    """Hashes and their copies; copies left out when every count is one."""
+    hashes = [h for h, _ in items]
+    copies = [n for _, n in items]
+    return hashes, ([] if all(n == 1 for n in copies) else copies)
+
+
+def _copies(hashes: list[BlockHash], copies: list[int]) -> list[BlockHash]:
+    """Each hash as many times as it has copies (a store adds one per listing)."""
+    if not copies:
+        return hashes
+    if len(copies) != len(hashes) or any(not 1 <= n <= _MAX_COPIES for n in copies):
+        raise ValueError("snapshot copies do not match their hashes")
+    return [h for h, n in zip(hashes, copies) for _ in range(n)]

@@ -300,7 +300,7 @@ class WorkerView:
 
     __slots__ = ("key", "epoch", "_groups", "topic", "last_seq", "last_ts", "last_received", "lag", "_watching",
                  "gaps", "restarts", "clears", "interruptions", "lost", "old_epoch_ignored", "messages",
-                 "duplicates_ignored", "_fleet", "_slot")
+                 "duplicates_ignored", "_fleet", "_slot", "_partial")
 
     def __init__(self, key: WorkerKey, epoch: int, fleet: FleetResidency | None = None) -> None:
         self._fleet = fleet if fleet is not None else _private_fleet()
@@ -322,6 +322,7 @@ class WorkerView:
         self.old_epoch_ignored = 0
         self.duplicates_ignored = 0
         self.messages = 0
+        self._partial = False
 
     @property
     def groups(self) -> dict[int, GroupResidency]:
@@ -348,13 +349,27 @@ class WorkerView:
 
     @property
     def stale(self) -> bool:
-        """Some entries are suspect: a gap or interruption since the last reset."""
+        """Some entries are suspect (a gap or interruption since the last
+        reset), or the view may lack part of its history (`partial`)."""
         return self._fleet.stale(self._slot)
+
+    @property
+    def partial(self) -> bool:
+        """The view may lack part of the rank's history: it was bootstrapped
+        with no snapshot, or from one that was itself partial. A record that
+        empties the view (a fresh start, a restart, a clear) ends it."""
+        return self._partial
+
+    @partial.setter
+    def partial(self, value: bool) -> None:
+        self._partial = value
+        self._fleet.set_partial(self._slot, value)
 
     def reset(self, epoch: int) -> None:
         self.epoch = epoch
         self.groups = {}
         self.last_seq = None
+        self.partial = False
 
     def group(self, group: int, kind: str, family: str) -> GroupResidency:
         found = self._groups.get(group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from bridge.client.bootstrap import BootstrapOptions, add_bootstrap_arguments, bootstrap_options
 from bridge.client.registry import DEFAULT_BUCKET, DEFAULT_DEAD_AFTER
 from bridge.client.subscribe import DEFAULT_STREAM, StartAt, parse_since
 
@@ -26,6 +27,8 @@ class ObserveOptions:
         self.hybrid_interval: float = 15.0
         self.hybrid_sample: int = 4096
         self.connect_timeout: float = 10.0
+        # Bootstrap from the bridges' snapshots (core NATS), or `--since snapshot`.
+        self.bootstrap: BootstrapOptions | None = BootstrapOptions()
         if args is not None:
             self.http_host = args.http_host
             self.http_port = args.http_port
@@ -39,6 +42,7 @@ class ObserveOptions:
             self.max_worker_series = args.max_worker_series
             self.hybrid_interval = args.hybrid_interval
             self.hybrid_sample = args.hybrid_sample
+            self.bootstrap = bootstrap_options(args, getattr(args, "subject_prefix", None) or "kv")
         for key, value in overrides.items():
             if not hasattr(self, key):
                 raise TypeError(f"unknown option {key}")
@@ -56,7 +60,8 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dead-after", type=float, default=DEFAULT_DEAD_AFTER,
                         help="A worker is dead after this many heartbeat intervals without one.")
     parser.add_argument("--since", default=None,
-                        help="Rebuild the index from the JetStream stream first ('all', a sequence, an age like 10m).")
+                        help="Rebuild the index from the JetStream stream first: 'snapshot' (each rank's snapshot, "
+                             "then the stream after it), 'all', a sequence, or an age like 10m.")
     parser.add_argument("--stream-name", default=DEFAULT_STREAM, help="JetStream stream for --since.")
     parser.add_argument("--no-nats-service", action="store_true",
                         help="Do not answer prefix queries over NATS (the micro service).")
@@ -68,5 +73,6 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Worker ranks listed in per-worker metric families (the cardinality bound).")
     parser.add_argument("--hybrid-interval", type=float, default=15.0,
                         help="Seconds between refreshes of the hybrid-effect figures.")
+    add_bootstrap_arguments(parser, by_default=True)
     parser.add_argument("--hybrid-sample", type=int, default=4096,
                         help="Attention blocks sampled per worker rank for the hybrid effect.")

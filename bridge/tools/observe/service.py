@@ -18,6 +18,7 @@ from nats.micro.request import Request
 from bridge import __version__
 from bridge.access import NatsAccess
 from bridge.client.access import BusConnection
+from bridge.client.bootstrap import BootstrapOptions
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.client.subscribe import BusMessage, BusSubscriber
 from bridge.tools.observe.http import Response, serve_http
@@ -136,6 +137,11 @@ class ObserveService:
         await self.micro.add_endpoint(name="prefix", subject=f"{base}.prefix", handler=prefix)
         await self.micro.add_endpoint(name="workers", subject=f"{base}.workers", handler=workers)
 
+    def _bootstrap(self, settings: NatsAccess) -> BootstrapOptions | None:
+        """The options' bootstrap, under the subject prefix the access settings name."""
+        boot = self.opts.bootstrap
+        return None if boot is None else msgspec.structs.replace(boot, prefix=settings.subject_prefix)
+
     async def run(self, settings: NatsAccess, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> int:
         opts = self.opts
         conn = BusConnection()
@@ -156,7 +162,8 @@ class ObserveService:
                 tg.start_soon(self.state.follower.run)
             subject = f"{settings.subject_prefix}.>"
             try:
-                async with BusSubscriber(conn, subject, since=opts.since, stream=opts.stream) as sub:
+                async with BusSubscriber(conn, subject, since=opts.since, stream=opts.stream,
+                                         bootstrap=self._bootstrap(settings)) as sub:
                     self.state.subscribed = True
                     if opts.serve_nats:
                         await self._serve_nats(nc)

@@ -1,0 +1,252 @@
+"""Bootstrap: a consumer that starts late reaches the view of one that watched
+from the start (docs/consumers.md, "Starting late").
+
+1. Find the worker ranks: the bridges' `kv-bridge-snapshot` services answer
+   `$SRV.INFO`, the snapshot bucket lists the ranks it keeps, and whatever
+   the subscription already brought names its ranks too.
+2. Per rank, a snapshot: from its bridge (the latest), else from the bucket
+   (JetStream mode; as of its last write), else none.
+3. Splice: the snapshot first, then only the rank's messages after the one the
+   snapshot names: on a core subscription, those after that message's
+   Nats-Msg-Id in what was buffered meanwhile (NATS delivers one publisher's
+   messages in the order it sent them); on a stream, those after its stream
+   sequence.
+
+A rank whose snapshot cannot be had gets a `SnapshotMissing` item instead: the
+index marks its view stale until a record empties it, never silently partial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Iterable, Sequence
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
+
+from bridge.contract import HDR_MSG_ID, GroupMessage, WorkerRecord
+from bridge.contract.snapshot import (
+    DEFAULT_SNAPSHOT_BUCKET,
+    SNAPSHOT_SERVICE,
+    RankSnapshot,
+    SnapshotMissing,
+    SnapshotUnavailable,
+    decode_head,
+    fetch_parts,
+    read_bucket,
+    snapshot_subject,
+)
+
+log = structlog.get_logger("bridge.client.bootstrap")
+
+RankKey = tuple[str, int]
+Found = RankSnapshot | SnapshotMissing
+
+
+class BootstrapOptions(msgspec.Struct, frozen=True):
+    """`prefix`: the bridges' subject prefix; `bucket`: the snapshot bucket
+    ("" for none); `discover_s`: how long to collect `$SRV.INFO` answers;
+    `timeout_s`: per request."""
+
+    prefix: str = "kv"
+    bucket: str = DEFAULT_SNAPSHOT_BUCKET
+    discover_s: float = 0.5
+    timeout_s: float = 5.0
+
+
+class SnapshotSource(msgspec.Struct, frozen=True):
+    """Where one rank's bootstrap came from, for reports and logs."""
+
+    worker: str
+    dp_rank: int
+    source: str  # "service", "bucket" or "none"
+    detail: str = ""
+    seconds: float = 0.0
+
+
+async def discover(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None) -> set[RankKey]:
+    """The ranks whose bridges answer `$SRV.INFO`, and those the bucket keeps."""
+    found: set[RankKey] = set()
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(f"$SRV.INFO.{SNAPSHOT_SERVICE}", b"", reply=inbox)
+        with anyio.move_on_after(opts.discover_s):
+            while True:
+                msg = await sub.next_msg(timeout=opts.discover_s)
+                found |= _service_ranks(msg.data, opts.prefix)
+    except nats.errors.TimeoutError:
+        pass
+    finally:
+        await sub.unsubscribe()
+    if kv is not None:
+        found |= await _bucket_ranks(kv)
+    return found
+
+
+def _service_ranks(data: bytes, prefix: str) -> set[RankKey]:
+    try:
+        info = json.loads(data)
+        if info.get("metadata", {}).get("prefix") != prefix:
+            return set()
+        return {(str(ep["metadata"]["worker"]), int(ep["metadata"]["dp_rank"])) for ep in info.get("endpoints", [])}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+async def _bucket_ranks(kv: KeyValue) -> set[RankKey]:
+    """The ranks with a head in the bucket (heads are the keys without a dot)."""
+    found: set[RankKey] = set()
+    try:
+        keys = await kv.keys()
+    except (nats.js.errors.NoKeysError, nats.errors.Error, TimeoutError):
+        return found
+    for key in keys:
+        if "." in key:
+            continue
+        try:
+            head = decode_head((await kv.get(key)).value or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError, nats.errors.Error):
+            continue
+        found.add((head.worker, head.dp_rank))
+    return found
+
+
+async def open_snapshot_bucket(nc: NatsClient, bucket: str) -> KeyValue | None:
+    """The bucket, if the server has JetStream and the bucket exists."""
+    if not bucket:
+        return None
+    try:
+        return await nc.jetstream().key_value(bucket)
+    except (nats.js.errors.BucketNotFoundError, nats.errors.Error, TimeoutError):
+        return None
+
+
+async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, worker: str,
+                dp_rank: int) -> tuple[Found, SnapshotSource]:
+    """The rank's snapshot from its bridge, else from the bucket, else a SnapshotMissing."""
+    began = time.perf_counter()
+    subject = snapshot_subject(opts.prefix, worker, dp_rank)
+
+    async def request(data: bytes) -> bytes:
+        msg = await nc.request(subject, data, timeout=opts.timeout_s)
+        code = (msg.headers or {}).get("Nats-Service-Error-Code")
+        if code:
+            raise SnapshotUnavailable(f"{code} {(msg.headers or {}).get('Nats-Service-Error', '')}")
+        return msg.data
+
+    why = ""
+    try:
+        snap = await fetch_parts(request)
+        return snap, SnapshotSource(worker, dp_rank, "service", seconds=time.perf_counter() - began)
+    except nats.errors.NoRespondersError:
+        why = "no bridge answers"
+    except (nats.errors.TimeoutError, TimeoutError):
+        why = "the bridge did not answer in time"
+    except SnapshotUnavailable as exc:
+        why = f"the bridge's answer: {exc}"
+    if kv is not None:
+        try:
+            found = await read_bucket(lambda key: _get(kv, key), worker, dp_rank)
+        except (SnapshotUnavailable, nats.errors.Error, TimeoutError) as exc:
+            found = None
+            why = f"{why}; bucket: {exc}"
+        if found is not None:
+            return found[1], SnapshotSource(worker, dp_rank, "bucket", detail=why,
+                                            seconds=time.perf_counter() - began)
+        why = f"{why}; the bucket has none" if "bucket" not in why else why
+    log.warning("snapshot_missing", worker=worker, dp_rank=dp_rank, reason=why)
+    return SnapshotMissing(worker, dp_rank, why), SnapshotSource(worker, dp_rank, "none", detail=why,
+                                                                 seconds=time.perf_counter() - began)
+
+
+async def _get(kv: KeyValue, key: str) -> bytes | None:
+    try:
+        return (await kv.get(key)).value
+    except nats.js.errors.KeyNotFoundError:
+        return None
+
+
+async def fetch_all(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None,
+                    ranks: Iterable[RankKey]) -> tuple[dict[RankKey, Found], list[SnapshotSource]]:
+    """Every rank's snapshot, fetched side by side."""
+    found: dict[RankKey, Found] = {}
+    sources: list[SnapshotSource] = []
+
+    async def one(key: RankKey) -> None:
+        got, source = await fetch(nc, opts, kv, *key)
+        found[key] = got
+        sources.append(source)
+
+    async with anyio.create_task_group() as tg:
+        for key in sorted(set(ranks)):
+            tg.start_soon(one, key)
+    return found, sources
+
+
+def rank_of(body: object) -> RankKey | None:
+    if type(body) is GroupMessage or type(body) is WorkerRecord:
+        return (body.worker, body.dp_rank)  # type: ignore[union-attr]
+    return None
+
+
+def resets(body: object) -> bool:
+    """A record after which a view holds nothing of the past: nothing to fetch."""
+    return type(body) is WorkerRecord and (body.type == "restart" or (body.type == "start" and body.reason != "resumed"))
+
+
+def splice_buffer(buffered: Sequence[object], found: dict[RankKey, Found]) -> list[object]:
+    """The items a late consumer applies: each rank's snapshot (or its
+    SnapshotMissing) first, then what was buffered, less each rank's messages
+    up to and including the one its snapshot names. `buffered` holds the
+    subscription's items in arrival order (BusMessage-like items with `body`
+    and `headers`, and Interruptions)."""
+    cut: dict[RankKey, int] = {}
+    for i, item in enumerate(buffered):
+        key = rank_of(getattr(item, "body", None))
+        snap = found.get(key) if key is not None else None
+        if type(snap) is RankSnapshot and snap.through and \
+                getattr(item, "headers", {}).get(HDR_MSG_ID) == snap.through:
+            cut[key] = i  # type: ignore[index]
+    out: list[object] = list(found.values())
+    for i, item in enumerate(buffered):
+        key = rank_of(getattr(item, "body", None))
+        if key is not None and i <= cut.get(key, -1):
+            continue
+        out.append(item)
+    return out
+
+
+def add_bootstrap_arguments(parser: argparse.ArgumentParser, *, by_default: bool) -> None:
+    """The tools' bootstrap flags: `--no-bootstrap` (where it is on by
+    default) and the snapshot bucket to fall back on."""
+    if by_default:
+        parser.add_argument("--no-bootstrap", action="store_true",
+                            help="Start from what arrives now instead of each worker rank's snapshot.")
+    parser.add_argument("--snapshot-bucket", default=DEFAULT_SNAPSHOT_BUCKET,
+                        help="JetStream bucket of the bridges' snapshots, for ranks whose bridge does not answer "
+                             "('' for none).")
+
+
+def bootstrap_options(args: argparse.Namespace, prefix: str) -> BootstrapOptions | None:
+    """What the flags ask for: options for a core-NATS bootstrap or a `--since
+    snapshot` replay, or None (no bootstrap)."""
+    since = getattr(args, "since", None)
+    if getattr(args, "no_bootstrap", True) and since != "snapshot":
+        return None
+    if since not in (None, "snapshot"):
+        return None  # a replay from another point of the stream: no snapshots
+    return BootstrapOptions(prefix=prefix, bucket=args.snapshot_bucket)
+
+
+__all__ = [
+    "BootstrapOptions", "Found", "RankKey", "SnapshotSource", "add_bootstrap_arguments", "bootstrap_options",
+    "discover", "fetch", "fetch_all", "open_snapshot_bucket", "rank_of", "resets", "splice_buffer",
+]

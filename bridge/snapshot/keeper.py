@@ -1,0 +1,168 @@
+"""The residency of the ranks this bridge publishes, as consumers will hold it.
+
+The bridge runs the contract's own residency rules (`bridge.contract.residency`)
+over its own messages, in the order a consumer meets them: in core mode as they
+are written to NATS (the sink hands each written batch over), in JetStream mode
+as the stream stores them (each message when its ack comes, so the snapshot
+names the stream sequence a reader goes on from). A message's effect lands on
+an index only when a snapshot needs it, or while the bridge has nothing else to
+do: until then the keeper only keeps a reference to the encoded payload it
+already made, and the work of decoding and applying it stays off the path
+from vLLM to NATS. The log is bounded by bytes; past the bound it is applied
+at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+
+from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, GroupMessage, WorkerRecord
+from bridge.contract import decoder_for as _decoder_for
+from bridge.contract.residency import ResidencyIndex
+from bridge.contract.snapshot import RankSnapshot
+from bridge.sink.acks import ack_seq
+from bridge.sink.encode import Outgoing
+
+log = structlog.get_logger("bridge.snapshot")
+
+# Applied per slice while the bridge is idle: a slice is a fraction of a
+# millisecond, so a batch arriving meanwhile waits no longer than that.
+IDLE_SLICE = 64
+
+
+class _Through:
+    """The last message applied for one rank: its Nats-Msg-Id and, in
+    JetStream mode, its stream sequence, or the ack that names it (read only
+    when a snapshot asks: acks come by the hundred thousand)."""
+
+    __slots__ = ("msg_id", "ack", "seq")
+
+    def __init__(self, msg_id: str, ack: bytes | None = None, seq: int = 0) -> None:
+        self.msg_id = msg_id
+        self.ack = ack
+        self.seq = seq
+
+    @property
+    def stream_seq(self) -> int:
+        if not self.seq and self.ack is not None:
+            self.seq = max(0, ack_seq(self.ack))
+        return self.seq
+
+
+class ResidencyKeeper:
+    """`max_log_bytes`: encoded bytes held before they are applied at once."""
+
+    def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024) -> None:
+        self.worker = worker
+        self.index = ResidencyIndex()
+        self._max_log_bytes = max_log_bytes
+        self._log: deque[tuple[Outgoing, bytes | None]] = deque()
+        self.log_bytes = 0
+        self._through: dict[int, _Through] = {}
+        self._decoders: dict[tuple[str, bool], Any] = {
+            (fmt, record): _decoder_for(fmt, WorkerRecord if record else GroupMessage)
+            for fmt in FORMATS for record in (False, True)
+        }
+        # Events (and records) applied per rank: the bucket writer compares
+        # them with what it last wrote.
+        self.applied: dict[int, int] = {}
+        self.undecodable = 0
+
+    # -- what the sink hands over -----------------------------------------
+
+    def published(self, messages: list[Outgoing]) -> None:
+        """Messages written to NATS (core mode), in order."""
+        log_ = self._log
+        for msg in messages:
+            log_.append((msg, None))
+            self.log_bytes += msg.nbytes
+        if self.log_bytes > self._max_log_bytes:
+            self.catch_up_to(self._max_log_bytes // 2)
+
+    def stored(self, msg: Outgoing, ack: bytes) -> None:
+        """A message the stream acked (JetStream mode), in ack order."""
+        self._log.append((msg, ack))
+        self.log_bytes += msg.nbytes
+        if self.log_bytes > self._max_log_bytes:
+            self.catch_up_to(self._max_log_bytes // 2)
+
+    # -- applying ---------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        return len(self._log)
+
+    def catch_up(self, limit: int = 0) -> int:
+        """Applies up to `limit` logged messages (0: all); returns how many."""
+        n = 0
+        log_ = self._log
+        while log_ and (not limit or n < limit):
+            msg, ack = log_.popleft()
+            self.log_bytes -= msg.nbytes
+            self.apply(msg, ack)
+            n += 1
+        return n
+
+    def catch_up_to(self, log_bytes: int) -> None:
+        while self._log and self.log_bytes > log_bytes:
+            self.catch_up(IDLE_SLICE)
+
+    def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
+        """One message of the bus, as a consumer reads it."""
+        self.apply_payload(msg.headers, msg.payload, ack)
+
+    def apply_payload(self, headers: dict[str, str], payload: bytes, ack: bytes | None = None) -> None:
+        fmt = headers.get(HDR_FORMAT, DEFAULT_FORMAT)
+        decoder = self._decoders.get((fmt, HDR_RECORD in headers))
+        try:
+            body = decoder.decode(payload)  # type: ignore[union-attr]
+        except (AttributeError, msgspec.DecodeError, msgspec.ValidationError):
+            self.undecodable += 1
+            return
+        self.index.apply(body)
+        rank = body.dp_rank
+        self._through[rank] = _Through(headers.get(HDR_MSG_ID, ""), ack)
+        events = len(body.events) if type(body) is GroupMessage else 1
+        self.applied[rank] = self.applied.get(rank, 0) + events
+
+    # -- snapshots ----------------------------------------------------------
+
+    def ranks(self) -> list[int]:
+        return sorted(view.key.dp_rank for view in self.index if view.key.worker == self.worker)
+
+    def snapshot(self, dp_rank: int) -> RankSnapshot | None:
+        """The rank's residency after the last message applied; apply the log
+        first (`catch_up`) for the latest. None: nothing known of the rank."""
+        through = self._through.get(dp_rank)
+        return self.index.snapshot(
+            self.worker, dp_rank, through=through.msg_id if through else "",
+            stream_seq=through.stream_seq if through else 0, now=time.time(),
+        )
+
+    def forget(self, dp_rank: int) -> None:
+        """The rank's view is gone (a rebuild starts it again)."""
+        view = self.index.view(self.worker, dp_rank)
+        if view is not None:
+            self.index.views.pop(view.key).release()
+        self._through.pop(dp_rank, None)
+
+    def mark_applied(self, dp_rank: int, msg_id: str, stream_seq: int) -> None:
+        """A rebuild read the rank's history through this stream message."""
+        self._through[dp_rank] = _Through(msg_id, seq=stream_seq)
+
+
+async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool]) -> None:
+    """Applies the log while the bridge is `idle` (nothing queued for NATS), a
+    slice at a time, until cancelled."""
+    while True:
+        await anyio.sleep(0.02)
+        while keeper.pending and idle():
+            keeper.catch_up(IDLE_SLICE)
+            await anyio.sleep(0)
