@@ -275,6 +275,25 @@ The sidecar's environment.
   value: {{ $b.jetstream.ackTimeout | quote }}
 {{- end }}
 {{- end }}
+{{- /* Always set: the bridge keeps snapshots unless told otherwise, so a false must reach it. */}}
+- name: KVB_SNAPSHOTS
+  value: {{ $b.snapshots.enabled | quote }}
+{{- if $b.snapshots.enabled }}
+- name: KVB_SNAPSHOT_BUCKET
+  value: {{ $b.snapshots.bucket | quote }}
+{{- if not (kindIs "invalid" $b.snapshots.interval) }}
+- name: KVB_SNAPSHOT_INTERVAL
+  value: {{ $b.snapshots.interval | quote }}
+{{- end }}
+{{- if not (kindIs "invalid" $b.snapshots.events) }}
+- name: KVB_SNAPSHOT_EVENTS
+  value: {{ $b.snapshots.events | int64 | quote }}
+{{- end }}
+{{- if not (kindIs "invalid" $b.snapshots.logBytes) }}
+- name: KVB_SNAPSHOT_LOG_BYTES
+  value: {{ $b.snapshots.logBytes | int64 | quote }}
+{{- end }}
+{{- end }}
 {{- with $b.extraEnv }}
 {{ toYaml . }}
 {{- end }}
