@@ -215,25 +215,29 @@ class Bridge:
         any new batch is taken, so the rebuilt view and the new acks meet in
         stream order)."""
         s = self.settings
-        if self.keeper is None or not s.snapshot_bucket or self.sink.js is None:
+        if self.keeper is None or self.sink.js is None:
             return
         js = self.sink.js
-        try:
-            kv = await open_bucket(js, s.snapshot_bucket, replicas=s.stream_replicas, max_age=s.stream_max_age)
-        except Exception as exc:  # no JetStream for the bucket, or no permission: service-only snapshots
-            log.warning("snapshot_bucket_unavailable", bucket=s.snapshot_bucket, error=type(exc).__name__,
-                        detail=str(exc)[:200])
-            return
-        writer = SnapshotWriter(
+        kv = None
+        if s.snapshot_bucket:
+            try:
+                kv = await open_bucket(js, s.snapshot_bucket, replicas=s.stream_replicas, max_age=s.stream_max_age)
+            except Exception as exc:  # no JetStream for the bucket, or no permission: service-only snapshots
+                log.warning("snapshot_bucket_unavailable", bucket=s.snapshot_bucket, error=type(exc).__name__,
+                            detail=str(exc)[:200])
+        writer = None if kv is None else SnapshotWriter(
             self.keeper, kv, self.metrics, interval=s.snapshot_interval, every_messages=s.snapshot_events,
             max_payload=self._max_payload(), rewrite_after=max(s.snapshot_interval, s.stream_max_age / 2 or 3600.0),
         )
         for pipeline, point in zip(self._pipelines, points):
             if point is None:
                 continue
+            # With no bucket the rank is rebuilt from the stream alone (partial
+            # unless the stream still holds the start of its epoch).
             head = await rebuild_rank(js, self.keeper, kv, stream=s.stream_name, subject_base=pipeline.subjects.base,
                                       dp_rank=pipeline.plan.dp_rank)
-            writer.resume_slot(pipeline.plan.dp_rank, head)
+            if writer is not None:
+                writer.resume_slot(pipeline.plan.dp_rank, head)
         self._snapshot_writer = writer
 
     async def _start_snapshots(self, tg: anyio.abc.TaskGroup) -> None:

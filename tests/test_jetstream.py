@@ -341,3 +341,28 @@ async def test_a_resume_point_that_does_not_answer_yet_is_waited_for_not_a_crash
     assert readiness and not readiness[0], "ready before the resume point answered"
     keys = group_keys(await stream_contents(nats_server.url))
     assert {seq for _, seq, _ in keys} == set(range(5))
+
+
+async def test_a_bridge_restarted_with_no_batch_in_between_stores_its_start_and_stop(
+    nats_server: NatsServerProcess,
+) -> None:
+    """Two bridge runs that start and stop at the same seq: each run's start
+    and stop records reach the stream (the second run's stop is what a stream
+    reader must see last, or it holds the worker as watched)."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[nats_server.url],
+                             jetstream=True, worker_id="pod-r")
+    workload = HybridWorkload(seed=2)
+    try:
+        async with running_bridge(settings) as bridge:
+            for _ in range(5):
+                pub.publish(workload.batch(8))
+            await wait_published(bridge, 5)
+        for _ in range(2):
+            async with running_bridge(settings):
+                await anyio.sleep(0.3)
+    finally:
+        pub.close()
+    records = [b.type for _, b in await stream_contents(nats_server.url) if isinstance(b, WorkerRecord)]
+    assert records == ["start", "stop", "start", "stop", "start", "stop"]

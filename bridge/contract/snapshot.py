@@ -199,7 +199,11 @@ def join(parts: list[SnapshotPart]) -> RankSnapshot:
     if any(p.id != first.id or p.parts != first.parts for p in parts) or \
             [p.part for p in ordered] != list(range(first.parts)):
         raise ValueError(f"snapshot {first.id}: parts missing or mixed")
-    return decode_snapshot(b"".join(p.data for p in ordered))
+    snap = decode_snapshot(b"".join(p.data for p in ordered))
+    if snap.v != SNAPSHOT_VERSION:
+        # A later version may mean something this reader does not know.
+        raise ValueError(f"snapshot version {snap.v}, this reader knows {SNAPSHOT_VERSION}")
+    return snap
 
 
 def encode_head(head: SnapshotHead) -> bytes:

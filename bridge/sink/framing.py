@@ -73,7 +73,8 @@ class Framing:
             gap_from=gap[0] if gap else None, gap_to=gap[1] if gap else None, reason=reason,
             topic=ident.topic, bridge_version=__version__, batch_ts=batch_ts,
         )
-        msg_id = record_id(stream_base(self._token, ident.dp_rank, rec.epoch), record_at(seq, rec.ts, gap), type_)
+        at = record_at(seq, rec.ts, gap, run=type_ in ("start", "stop"))
+        msg_id = record_id(stream_base(self._token, ident.dp_rank, rec.epoch), at, type_)
         out = self._encoder.record(rec, self._subjects, msg_id)
         return OutBatch(self._stream, rec.epoch, -1, rec.ts, [out], ident.dp_rank)
 

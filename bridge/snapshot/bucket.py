@@ -45,8 +45,11 @@ async def open_bucket(js: nats.js.JetStreamContext, bucket: str, *, replicas: in
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
         try:
+            # Direct gets: readers (and a least-privilege bridge) read keys
+            # through `$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`, which
+            # permissions can narrow to one worker's keys.
             return await js.create_key_value(
-                bucket=bucket, history=1, ttl=max_age or None, replicas=replicas,
+                bucket=bucket, history=1, ttl=max_age or None, replicas=replicas, direct=True,
                 description="kv-bridge residency snapshots, per worker rank",
             )
         except nats.js.errors.BadRequestError:

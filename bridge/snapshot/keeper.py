@@ -39,21 +39,13 @@ IDLE_SLICE = 64
 
 class _Through:
     """The last message applied for one rank: its Nats-Msg-Id and, in
-    JetStream mode, its stream sequence, or the ack that names it (read only
-    when a snapshot asks: acks come by the hundred thousand)."""
+    JetStream mode, the stream sequence a reader goes on from."""
 
-    __slots__ = ("msg_id", "ack", "seq")
+    __slots__ = ("msg_id", "seq")
 
-    def __init__(self, msg_id: str, ack: bytes | None = None, seq: int = 0) -> None:
+    def __init__(self, msg_id: str, seq: int = 0) -> None:
         self.msg_id = msg_id
-        self.ack = ack
         self.seq = seq
-
-    @property
-    def stream_seq(self) -> int:
-        if not self.seq and self.ack is not None:
-            self.seq = max(0, ack_seq(self.ack))
-        return self.seq
 
 
 class ResidencyKeeper:
@@ -128,7 +120,11 @@ class ResidencyKeeper:
             return
         self.index.apply(body)
         rank = body.dp_rank
-        self._through[rank] = _Through(headers.get(HDR_MSG_ID, ""), ack)
+        # A duplicate's ack names the stored copy's (earlier) sequence: the
+        # position a reader goes on from only moves forward.
+        seq = max(0, ack_seq(ack)) if ack is not None else 0
+        last = self._through.get(rank)
+        self._through[rank] = _Through(headers.get(HDR_MSG_ID, ""), seq=max(seq, last.seq if last else 0))
         events = len(body.events) if type(body) is GroupMessage else 1
         self.applied[rank] = self.applied.get(rank, 0) + events
 
@@ -143,7 +139,7 @@ class ResidencyKeeper:
         through = self._through.get(dp_rank)
         return self.index.snapshot(
             self.worker, dp_rank, through=through.msg_id if through else "",
-            stream_seq=through.stream_seq if through else 0, now=time.time(),
+            stream_seq=through.seq if through else 0, now=time.time(),
         )
 
     def forget(self, dp_rank: int) -> None:
