@@ -40,13 +40,19 @@ _SLOTS = ("a", "b")
 
 
 async def open_bucket(js: nats.js.JetStreamContext, bucket: str, *, replicas: int, max_age: float) -> KeyValue:
-    """The bucket, made (history 1, entries kept `max_age` s) when missing."""
+    """The bucket, made (history 1, entries kept `max_age` s) when missing.
+
+    Made with direct gets allowed: a bridge reads its own keys back (the
+    rebuild) with `$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`, which
+    a least-privilege user may be allowed key by key; the other way to read
+    a key (`$JS.API.STREAM.MSG.GET.KV_<bucket>`) names no key, so such a
+    user is not allowed it."""
     try:
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
         try:
             return await js.create_key_value(
-                bucket=bucket, history=1, ttl=max_age or None, replicas=replicas,
+                bucket=bucket, history=1, ttl=max_age or None, replicas=replicas, direct=True,
                 description="kv-bridge residency snapshots, per worker rank",
             )
         except nats.js.errors.BadRequestError:
