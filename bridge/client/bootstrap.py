@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import anyio
 import msgspec
@@ -87,7 +87,7 @@ async def discover(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None) 
     finally:
         await sub.unsubscribe()
     if kv is not None:
-        found |= await _bucket_ranks(kv)
+        found |= await _bucket_ranks(nc, opts.bucket, kv)
     return found
 
 
@@ -101,16 +101,21 @@ def _service_ranks(data: bytes, prefix: str) -> set[RankKey]:
         return set()
 
 
-async def _bucket_ranks(kv: KeyValue) -> set[RankKey]:
-    """The ranks with a head in the bucket (heads are the keys without a dot)."""
+async def _bucket_ranks(nc: NatsClient, bucket: str, kv: KeyValue) -> set[RankKey]:
+    """The ranks with a head in the bucket (heads are the keys without a dot).
+
+    Listed from the bucket stream's subjects (one STREAM.INFO with a subject
+    filter), not with `KeyValue.keys()`: that one's watcher may decide the
+    bucket is empty when the server has handed its entries over but they have
+    not reached the client yet (seen under load: the bucket's ranks missed)."""
     found: set[RankKey] = set()
+    prefix = f"$KV.{bucket}."
     try:
-        keys = await kv.keys()
-    except (nats.js.errors.NoKeysError, nats.errors.Error, TimeoutError):
+        info = await nc.jetstream().stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}*")
+    except (nats.errors.Error, TimeoutError):
         return found
-    for key in keys:
-        if "." in key:
-            continue
+    for subject in info.state.subjects or {}:
+        key = subject[len(prefix):]
         try:
             head = decode_head((await kv.get(key)).value or b"")
         except (msgspec.DecodeError, msgspec.ValidationError, nats.errors.Error):
@@ -202,12 +207,19 @@ def resets(body: object) -> bool:
     return type(body) is WorkerRecord and (body.type == "restart" or (body.type == "start" and body.reason != "resumed"))
 
 
-def splice_buffer(buffered: Sequence[object], found: dict[RankKey, Found]) -> list[object]:
+def splice_buffer(buffered: Sequence[object], found: dict[RankKey, Found],
+                  older: Collection[RankKey] = ()) -> list[object]:
     """The items a late consumer applies: each rank's snapshot (or its
     SnapshotMissing) first, then what was buffered, less each rank's messages
     up to and including the one its snapshot names. `buffered` holds the
     subscription's items in arrival order (BusMessage-like items with `body`
-    and `headers`, and Interruptions)."""
+    and `headers`, and Interruptions).
+
+    `older`: ranks whose snapshot may predate the subscription with messages
+    in between (a bucket's, while its bridge may have gone on publishing): the
+    buffer holds the message such a snapshot names, or the snapshot is of a
+    bridge that stopped (nothing came after it), or the rank gets a
+    SnapshotMissing after it: what came between is not known."""
     cut: dict[RankKey, int] = {}
     for i, item in enumerate(buffered):
         key = rank_of(getattr(item, "body", None))
@@ -215,7 +227,12 @@ def splice_buffer(buffered: Sequence[object], found: dict[RankKey, Found]) -> li
         if type(snap) is RankSnapshot and snap.through and \
                 getattr(item, "headers", {}).get(HDR_MSG_ID) == snap.through:
             cut[key] = i  # type: ignore[index]
-    out: list[object] = list(found.values())
+    out: list[object] = []
+    for key, snap in found.items():
+        out.append(snap)
+        if key in older and type(snap) is RankSnapshot and key not in cut and snap.watching:
+            out.append(SnapshotMissing(key[0], key[1], "the bucket's snapshot is older than the subscription: "
+                                                       "what came between is not known"))
     for i, item in enumerate(buffered):
         key = rank_of(getattr(item, "body", None))
         if key is not None and i <= cut.get(key, -1):

@@ -19,7 +19,6 @@ from typing import Final, Literal
 
 import anyio
 import msgspec
-import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
@@ -42,6 +41,8 @@ from bridge.contract import DEFAULT_STREAM
 from bridge.contract.residency.index import Interruption
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 
+# While fetching snapshots, how often an idle buffering loop looks for messages.
+_TAKE_POLL_S: Final = 0.002
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -223,18 +224,24 @@ class BusSubscriber:
         found: dict[RankKey, Found] = {}
         sub = self._sub
 
+        fetching = True
+
+        async def take_one() -> None:
+            """The next message, already queued: never cancelled with one in hand."""
+            msg = await sub.next_msg(timeout=None)
+            interruption = self._interruption()
+            if interruption is not None:
+                buffered.append(interruption)
+            item = self._decode(msg)
+            if item is not None:
+                buffered.append(item)
+
         async def take() -> None:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=None)
-                except nats.errors.TimeoutError:
-                    continue
-                interruption = self._interruption()
-                if interruption is not None:
-                    buffered.append(interruption)
-                item = self._decode(msg)
-                if item is not None:
-                    buffered.append(item)
+            while fetching:
+                if sub.pending_msgs:
+                    await take_one()
+                else:
+                    await anyio.sleep(_TAKE_POLL_S)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(take)
@@ -248,9 +255,16 @@ class BusSubscriber:
                 got, sources = await fetch_all(nc, opts, kv, wanted)
                 found.update(got)
                 self.sources.extend(sources)
-            tg.cancel_scope.cancel()
+            fetching = False
+        # Each answer came after the last message its snapshot holds, on the
+        # same connection: those messages are queued by now, and are cut like
+        # the rest of the buffer (left in the queue, they would be applied
+        # again after the snapshot: a record too, e.g. a `cleared`).
+        for _ in range(sub.pending_msgs):
+            await take_one()
         self._known = set(found)
-        items = splice_buffer(buffered, found)
+        older = {(s.worker, s.dp_rank) for s in self.sources if s.source == "bucket"}
+        items = splice_buffer(buffered, found, older)
         self.delivered += sum(1 for i in items if type(i) is BusMessage)
         return items  # type: ignore[return-value]
 

@@ -40,7 +40,13 @@ _SLOTS = ("a", "b")
 
 
 async def open_bucket(js: nats.js.JetStreamContext, bucket: str, *, replicas: int, max_age: float) -> KeyValue:
-    """The bucket, made (history 1, entries kept `max_age` s) when missing."""
+    """The bucket, made (history 1, entries kept `max_age` s) when missing.
+
+    Made with direct gets allowed: a bridge reads its own keys back (the
+    rebuild) with `$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`, which
+    a least-privilege user may be allowed key by key; the other way to read
+    a key (`$JS.API.STREAM.MSG.GET.KV_<bucket>`) names no key, so such a
+    user is not allowed it."""
     try:
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:

@@ -3,41 +3,20 @@ bootstrapping it holds what a consumer that watched from the start holds."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
-import anyio
 import pytest
 
-from bridge.client.access import BusConnection
 from bridge.client.bootstrap import BootstrapOptions
-from bridge.client.subscribe import BusSubscriber, StartAt
+from bridge.client.subscribe import StartAt
 from bridge.contract.residency import ResidencyIndex
 from bridge.embedded.nats_server import NatsServerProcess
 from bridge.testing.publisher import WirePublisher
 from bridge.testing.workload import HybridWorkload
 from tests.busutil import endpoints, make_settings, running_bridge
 from tests.client.live import live_index, wait_until
+from tests.snapshot.rig import late_index
 from tests.snapshot.views import index_state
 
 pytestmark = pytest.mark.anyio
-
-
-@asynccontextmanager
-async def late_index(url: str, **kwargs: object) -> AsyncIterator[tuple[ResidencyIndex, BusSubscriber]]:
-    conn = BusConnection()
-    await conn.open(make_settings(nats_url=[url]), "late")
-    index = ResidencyIndex()
-    try:
-        async with BusSubscriber(conn, "kv.>", **kwargs) as sub, anyio.create_task_group() as tg:  # type: ignore[arg-type]
-            async def feed() -> None:
-                async for item in sub:
-                    index.apply(item)
-            tg.start_soon(feed)
-            yield index, sub
-            tg.cancel_scope.cancel()
-    finally:
-        await conn.close()
 
 
 def _caught_up(index: ResidencyIndex, seq: int) -> bool:
