@@ -5,8 +5,10 @@ one copy and a consumer can tell a copy from a new message.
 Group messages: `<worker-token>:<dp_rank>:<epoch>:<seq>:<group>`, then `.p<part>`
 for parts > 0 and `.c<chunk>` for a slice sent in chunks. Worker records:
 `<worker-token>:<dp_rank>:<epoch>:<at>:worker:<what>`, where `at` is the seq,
-the gap's range, or the record's time, and `what` the record type (`cleared<n>`
-for the n-th clear of a batch). The epoch keeps two vLLM processes apart.
+the gap's range, or the record's time (always for a start or a stop: each
+bridge process announces its own, even at the seq its predecessor's named),
+and `what` the record type (`cleared<n>` for the n-th clear of a batch). The
+epoch keeps two vLLM processes apart.
 """
 
 from __future__ import annotations
