@@ -1,10 +1,16 @@
 """The publisher writes HPUB frames itself: their bytes must be what NATS and
-nats-py would make of the same subject, reply and headers."""
+nats-py would make of the same subject, reply and headers; and the ids
+framing gives records."""
 
 from __future__ import annotations
 
+import structlog
+
 from bridge.contract import GroupMessage, WorkerRecord
+from bridge.normalize.normalizer import StreamIdentity
+from bridge.observe.metrics import Metrics
 from bridge.sink.encode import MessageEncoder, Outgoing, hpub_frames
+from bridge.sink.framing import Framing
 from bridge.sink.subjects import SubjectBook
 
 
@@ -56,3 +62,29 @@ def test_hpub_frames_with_and_without_reply_subjects() -> None:
     replied = _parse_frames(hpub_frames(msgs, ["_INBOX.x.0", "_INBOX.x.1", "_INBOX.x.2"]))
     assert [args for args, _, _ in replied] == [[book.group(2), f"_INBOX.x.{i}"] for i in range(3)]
     assert [headers for _, headers, _ in replied] == [m.headers for m in msgs]
+
+
+def _framing(clock: list[float]) -> Framing:
+    ident = StreamIdentity("w", 0, "kv@w", 9)
+    return Framing(0, ident, SubjectBook("kv", "w", 0), MessageEncoder("msgpack"), lambda: 1 << 20, Metrics(),
+                   structlog.get_logger("test"), lambda: clock.pop(0))
+
+
+def test_each_bridge_process_names_its_own_start_and_stop() -> None:
+    """A bridge resumes the epoch and stops again with no batch between: its
+    start and stop carry the seq its predecessor's did. Named by seq, the
+    stream's duplicate window would take them for copies and drop them, and
+    readers would think the rank still stopped (or still watched)."""
+    first, second = _framing([1000.0, 1001.0]), _framing([2000.0, 2001.0])
+    ids = []
+    for framing in (first, second):
+        for type_ in ("start", "stop"):
+            out = framing.record(type_, seq=41, reason="resumed" if type_ == "start" else None).messages[0]
+            assert out.headers["Kvb-Seq"] == "41"
+            ids.append(out.headers["Nats-Msg-Id"])
+    assert ids == ["w:0:9:t1000000:worker:start", "w:0:9:t1001000:worker:stop",
+                   "w:0:9:t2000000:worker:start", "w:0:9:t2001000:worker:stop"]
+    # the same fact from either process keeps one name: a gap, a restart
+    gaps = [f.record("gap", gap=(3, 4), reason="lost").messages[0].headers["Nats-Msg-Id"]
+            for f in (_framing([5.0]), _framing([6.0]))]
+    assert gaps == ["w:0:9:3-4:worker:gap"] * 2

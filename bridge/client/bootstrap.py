@@ -208,7 +208,7 @@ def resets(body: object) -> bool:
 
 
 def splice_buffer(buffered: Sequence[object], found: dict[RankKey, Found],
-                  older: Collection[RankKey] = ()) -> list[object]:
+                  older: Collection[RankKey] = (), *, gate: LiveGate | None = None) -> list[object]:
     """The items a late consumer applies: each rank's snapshot (or its
     SnapshotMissing) first, then what was buffered, less each rank's messages
     up to and including the one its snapshot names. `buffered` holds the
@@ -219,7 +219,13 @@ def splice_buffer(buffered: Sequence[object], found: dict[RankKey, Found],
     in between (a bucket's, while its bridge may have gone on publishing): the
     buffer holds the message such a snapshot names, or the snapshot is of a
     bridge that stopped (nothing came after it), or the rank gets a
-    SnapshotMissing after it: what came between is not known."""
+    SnapshotMissing after it: what came between is not known.
+
+    A rank the buffer shows that `found` does not (its first message came
+    after the last fetch) meets the live rules already (`gate`, which then
+    knows it): a SnapshotMissing before its first item, unless that item
+    resets the view."""
+    gate = gate if gate is not None else LiveGate(found)
     cut: dict[RankKey, int] = {}
     for i, item in enumerate(buffered):
         key = rank_of(getattr(item, "body", None))
@@ -234,11 +240,70 @@ def splice_buffer(buffered: Sequence[object], found: dict[RankKey, Found],
             out.append(SnapshotMissing(key[0], key[1], "the bucket's snapshot is older than the subscription: "
                                                        "what came between is not known"))
     for i, item in enumerate(buffered):
-        key = rank_of(getattr(item, "body", None))
+        body = getattr(item, "body", None)
+        key = rank_of(body)
         if key is not None and i <= cut.get(key, -1):
             continue
+        if key is not None and key not in found:
+            missing, _ = gate.admit(body, None)
+            if missing is not None:
+                out.append(missing)
         out.append(item)
     return out
+
+
+class StreamOpening(msgspec.Struct, frozen=True):
+    """A stream bootstrap's plan (`stream_opening`): the items it begins with,
+    per rank the stream sequence its snapshot covers, and where the replay
+    starts (None: the whole stream)."""
+
+    items: list[Found]
+    skip_seq: dict[RankKey, int]
+    start_seq: int | None
+
+
+def stream_opening(found: dict[RankKey, Found], first_seq: int) -> StreamOpening:
+    """Each rank's snapshot (or SnapshotMissing) first, and a SnapshotMissing
+    after a snapshot whose following messages the stream (now starting at
+    `first_seq`) no longer holds; the replay from the oldest stream sequence
+    the snapshots need, each rank skipping up to its own."""
+    items: list[Found] = []
+    skip: dict[RankKey, int] = {}
+    for key, snap in sorted(found.items()):
+        items.append(snap)
+        if type(snap) is RankSnapshot:
+            skip[key] = snap.stream_seq
+            if snap.stream_seq + 1 < first_seq:
+                items.append(SnapshotMissing(key[0], key[1], "the stream no longer holds what followed the snapshot"))
+    starts = [seq + 1 for seq in skip.values()]
+    return StreamOpening(items, skip, max(first_seq, min(starts)) if starts else None)
+
+
+class LiveGate:
+    """After a bootstrap, what a late consumer does with each live item:
+    a rank's stream messages at or below its snapshot's stream sequence are
+    in the snapshot already (skipped); a rank first seen now gets a
+    SnapshotMissing before its first item, unless that item resets the view."""
+
+    __slots__ = ("known", "skip_seq")
+
+    def __init__(self, known: Iterable[RankKey], skip_seq: dict[RankKey, int] | None = None) -> None:
+        self.known = set(known)
+        self.skip_seq = dict(skip_seq or {})
+
+    def admit(self, body: object, stream_seq: int | None) -> tuple[SnapshotMissing | None, bool]:
+        """What goes before the item (a SnapshotMissing or None), and whether the item itself goes on."""
+        key = rank_of(body)
+        if key is None:
+            return None, True
+        missing = None
+        if key not in self.known:
+            self.known.add(key)
+            if not resets(body):
+                missing = SnapshotMissing(key[0], key[1], "first seen after the bootstrap")
+        if stream_seq is not None and stream_seq <= self.skip_seq.get(key, 0):
+            return missing, False
+        return missing, True
 
 
 def add_bootstrap_arguments(parser: argparse.ArgumentParser, *, by_default: bool) -> None:
@@ -264,6 +329,7 @@ def bootstrap_options(args: argparse.Namespace, prefix: str) -> BootstrapOptions
 
 
 __all__ = [
-    "BootstrapOptions", "Found", "RankKey", "SnapshotSource", "add_bootstrap_arguments", "bootstrap_options",
-    "discover", "fetch", "fetch_all", "open_snapshot_bucket", "rank_of", "resets", "splice_buffer",
+    "BootstrapOptions", "Found", "LiveGate", "RankKey", "SnapshotSource", "StreamOpening", "add_bootstrap_arguments",
+    "bootstrap_options", "discover", "fetch", "fetch_all", "open_snapshot_bucket", "rank_of", "resets",
+    "splice_buffer", "stream_opening",
 ]

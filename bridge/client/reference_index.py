@@ -132,7 +132,7 @@ class ReferenceView:
 
     __slots__ = ("key", "epoch", "groups", "topic", "last_seq", "last_ts", "last_received", "lag", "watching",
                  "gaps", "restarts", "clears", "interruptions", "lost", "old_epoch_ignored", "messages",
-                 "duplicates_ignored")
+                 "duplicates_ignored", "partial")
 
     def __init__(self, key: WorkerKey, epoch: int) -> None:
         self.key = key
@@ -152,16 +152,20 @@ class ReferenceView:
         self.old_epoch_ignored = 0
         self.duplicates_ignored = 0
         self.messages = 0
+        # The view may lack part of its history (a newer epoch met without its record).
+        self.partial = False
 
     @property
     def stale(self) -> bool:
-        """Some entries are suspect: a gap or interruption since the last reset."""
-        return any(g.suspect_count() for g in self.groups.values())
+        """Some entries are suspect (a gap or interruption since the last
+        reset), or the view may lack part of its history."""
+        return self.partial or any(g.suspect_count() for g in self.groups.values())
 
     def reset(self, epoch: int) -> None:
         self.epoch = epoch
         self.groups = {}
         self.last_seq = None
+        self.partial = False
 
     def group(self, group: int, kind: str, family: str) -> ReferenceGroup:
         found = self.groups.get(group)
@@ -285,6 +289,7 @@ class ReferenceIndex:
             return None
         elif epoch > view.epoch:
             self._reset(view, epoch)
+            view.partial = True  # what the new process said before this is unknown
         return view
 
     def _new_view(self, key: WorkerKey, epoch: int) -> ReferenceView:

@@ -27,14 +27,15 @@ from bridge.client.access import BusConnection
 from bridge.client.bootstrap import (
     BootstrapOptions,
     Found,
+    LiveGate,
     RankKey,
     SnapshotSource,
     discover,
     fetch_all,
     open_snapshot_bucket,
     rank_of,
-    resets,
     splice_buffer,
+    stream_opening,
 )
 from bridge.client.codec import Body, BusCodec, BusDecodeError
 from bridge.contract import DEFAULT_STREAM
@@ -148,10 +149,9 @@ class BusSubscriber:
         self.bootstrap = bootstrap
         # Where each rank's bootstrap came from (empty until it ran).
         self.sources: list[SnapshotSource] = []
-        # Bootstrapping: the snapshots and what to skip; after it, the ranks known.
+        # Bootstrapping: the items it begins with; after it, the live-phase rules.
         self._opening: list[BusItem] = []
-        self._skip_seq: dict[RankKey, int] = {}
-        self._known: set[RankKey] | None = None
+        self._gate: LiveGate | None = None
 
     async def start(self) -> None:
         nc = self._conn.nc
@@ -202,13 +202,11 @@ class BusSubscriber:
             item = self._decode(msg)
             if item is None:
                 continue
-            if self._known is not None:
-                key = rank_of(item.body)
-                if key is not None and key not in self._known:
-                    self._known.add(key)
-                    if not resets(item.body):
-                        yield SnapshotMissing(key[0], key[1], "first seen after the bootstrap")
-                if key is not None and item.stream_seq is not None and item.stream_seq <= self._skip_seq.get(key, 0):
+            if self._gate is not None:
+                missing, admitted = self._gate.admit(item.body, item.stream_seq)
+                if missing is not None:
+                    yield missing
+                if not admitted:
                     continue  # in the rank's snapshot already
             self.delivered += 1
             yield item
@@ -262,9 +260,9 @@ class BusSubscriber:
         # again after the snapshot: a record too, e.g. a `cleared`).
         for _ in range(sub.pending_msgs):
             await take_one()
-        self._known = set(found)
+        self._gate = LiveGate(found)
         older = {(s.worker, s.dp_rank) for s in self.sources if s.source == "bucket"}
-        items = splice_buffer(buffered, found, older)
+        items = splice_buffer(buffered, found, older, gate=self._gate)
         self.delivered += sum(1 for i in items if type(i) is BusMessage)
         return items  # type: ignore[return-value]
 
@@ -277,20 +275,12 @@ class BusSubscriber:
         kv = await open_snapshot_bucket(nc, opts.bucket)
         found, self.sources = await fetch_all(nc, opts, kv, await discover(nc, opts, kv))
         first = (await nc.jetstream().stream_info(self.stream)).state.first_seq
-        opening: list[BusItem] = []
-        for key, snap in sorted(found.items()):
-            opening.append(snap)  # type: ignore[arg-type]
-            if type(snap) is RankSnapshot:
-                self._skip_seq[key] = snap.stream_seq
-                if snap.stream_seq + 1 < first:
-                    opening.append(SnapshotMissing(key[0], key[1], "the stream no longer holds what followed the "
-                                                   "snapshot"))  # type: ignore[arg-type]
-        self._opening = opening
-        self._known = set(found)
-        starts = [seq + 1 for seq in self._skip_seq.values()]
-        if not starts:
+        plan = stream_opening(found, first)
+        self._opening = list(plan.items)
+        self._gate = LiveGate(found, plan.skip_seq)
+        if plan.start_seq is None:
             return consumer_config(StartAt("all"))
-        return consumer_config(StartAt("seq", seq=max(first, min(starts))))
+        return consumer_config(StartAt("seq", seq=plan.start_seq))
 
     def _interruption(self) -> Interruption | None:
         if self.since is not None or self._sub is None:

@@ -4,10 +4,11 @@ one copy and a consumer can tell a copy from a new message.
 
 Group messages: `<worker-token>:<dp_rank>:<epoch>:<seq>:<group>`, then `.p<part>`
 for parts > 0 and `.c<chunk>` for a slice sent in chunks. Worker records:
-`<worker-token>:<dp_rank>:<epoch>:<at>:worker:<what>`, where `at` is the gap's
-range, or the seq (for a start or a stop followed by `.t<ms>`, the record's
-time), or the record's time alone (`t<ms>`), and `what` the record type
-(`cleared<n>` for the n-th clear of a batch). The epoch keeps two vLLM processes apart.
+`<worker-token>:<dp_rank>:<epoch>:<at>:worker:<what>`, where `at` is the seq,
+the gap's range, or the record's time (always for a start or a stop: each
+bridge process announces its own, even at the seq its predecessor's named),
+and `what` the record type (`cleared<n>` for the n-th clear of a batch). The
+epoch keeps two vLLM processes apart.
 """
 
 from __future__ import annotations
@@ -33,17 +34,12 @@ def group_id(base: str, seq: str, group: int, part: int, chunk: int, chunks: int
     return msg_id
 
 
-def record_at(seq: int | None, ts: float, gap: tuple[int, int] | None = None, *, run: bool = False) -> str:
+def record_at(seq: int | None, ts: float, gap: tuple[int, int] | None = None) -> str:
     """Where a record stands: its gap's range, else its seq, else its time in ms
-    (a start or stop with no seq yet). `run`: the record belongs to one bridge
-    run (a start, a stop), so its time joins the seq: a bridge restarted with
-    no batch in between starts and stops at the same seq as the one before,
-    and the stream would drop its records as copies of that one's."""
+    (a start or stop with no seq yet)."""
     if gap:
         return f"{gap[0]}-{gap[1]}"
-    if seq is None:
-        return f"t{int(ts * 1000)}"
-    return f"{seq}.t{int(ts * 1000)}" if run else f"{seq}"
+    return f"{seq}" if seq is not None else f"t{int(ts * 1000)}"
 
 
 def record_id(base: str, at: str, what: str) -> str:

@@ -78,7 +78,7 @@ class RankSnapshot(msgspec.Struct, gc=False, omit_defaults=True):
     `complete` is False when the bridge itself does not know the rank's whole
     history since its epoch began (it resumed from a stream that no longer
     held it, with no snapshot to start from): a consumer marks the view stale
-    until a record that resets it (a fresh start, a restart, a clear)."""
+    until a record that resets it (a fresh start, a restart)."""
 
     v: int
     worker: str

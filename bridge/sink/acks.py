@@ -110,6 +110,10 @@ def _first(item: tuple[int, Pending]) -> int:
     return item[0]
 
 
+def _by_stream_seq(item: tuple[int, Outgoing, bytes]) -> tuple[int, int]:
+    return ack_seq(item[2]), item[0]
+
+
 class _Doubt:
     """What only a message in doubt carries (sent again, or refused)."""
 
@@ -195,8 +199,11 @@ class AckWindow:
 
     def __init__(self, inbox: str = "", on_stored: Callable[[Outgoing, bytes], None] | None = None) -> None:
         self.inbox = inbox
-        # Told of every message the stream stored, with its ack, in ack order.
+        # Told of every message the stream stored, with its ack, in stream
+        # order: at once while nothing is in doubt (acks come in stream order
+        # then), else held in `_held` until nothing is (`_hand_over`).
         self._on_stored = on_stored
+        self._held: list[tuple[int, Outgoing, bytes]] = []
         self._prefix_len = len(inbox) + 1
         # Token → message; tokens are send order (a copy sent again keeps its token).
         self._pending: dict[int, Pending] = {}
@@ -277,6 +284,8 @@ class AckWindow:
         first = int(reply[self._prefix_len:])
         for token in [t for t in self._pending if t >= first]:
             self._settle(self._pending.pop(token).msg)
+        self._prune()
+        self._hand_over()
 
     def _settle(self, msg: Outgoing) -> None:
         self.bytes -= msg.nbytes
@@ -288,6 +297,7 @@ class AckWindow:
             self._settle(entry.msg)
             self._advance_head()
             self._prune()
+            self._hand_over()
             self._wake(token)
         return entry
 
@@ -341,13 +351,20 @@ class AckWindow:
             self._wake(token)
             return
         self.bytes -= entry.msg.nbytes
-        if self._on_stored is not None:
-            self._on_stored(entry.msg, data)
         if token == self._head and entry.doubt is None and not self._ahead and not self._resent:
             # The oldest, acked first, nothing in doubt: nothing to compare.
             self._head = token + 1
+            if self._on_stored is not None:
+                if self._held:
+                    self._held.append((token, entry.msg, data))
+                    self._hand_over()
+                else:
+                    self._on_stored(entry.msg, data)
         else:
             self._out_of_line(token, entry, data)
+            if self._on_stored is not None:
+                self._held.append((token, entry.msg, data))
+                self._hand_over()
         if self._room is not None or self._watched is not None:
             self._wake(token)
 
@@ -412,6 +429,25 @@ class AckWindow:
                     self._reported.add(key)
                     self.reordered.append(batch)
                 return
+
+    def _hand_over(self) -> None:
+        """The held messages to `on_stored`, in stream order, once none can
+        be followed by one stored before it: every older message settled, no
+        overtaker or copy sent again left to compare (the records `_prune`
+        keeps exactly while an older message is unacked). A reader of the
+        stream meets them in that order, and so must the bridge's own
+        residency (bridge.snapshot.keeper): a lost ack's copy, acked after
+        newer messages, was stored before them."""
+        held = self._held
+        if not held or self._ahead or self._resent:
+            return
+        self._advance_head()
+        if any(token >= self._head for token, _, _ in held):
+            return
+        self._held = []
+        assert self._on_stored is not None
+        for _, msg, data in sorted(held, key=_by_stream_seq):
+            self._on_stored(msg, data)
 
     def take_reordered(self) -> list[OutBatch]:
         out, self.reordered = self.reordered, []

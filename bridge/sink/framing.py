@@ -42,6 +42,7 @@ class Framing:
         max_payload: Callable[[], int],
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._stream = stream
         self._ident = ident
@@ -50,6 +51,7 @@ class Framing:
         self._max_payload = max_payload
         self._metrics = metrics
         self._log = log
+        self._clock = clock
         self._token = worker_token(ident.worker, ident.dp_rank)
         self._base_epoch = -1
         self._base = ""
@@ -69,11 +71,15 @@ class Framing:
         ident = self._ident
         rec = WorkerRecord(
             v=SCHEMA_VERSION, worker=ident.worker, dp_rank=ident.dp_rank,
-            epoch=ident.epoch if epoch is None else epoch, type=type_, ts=time.time(), seq=seq,
+            epoch=ident.epoch if epoch is None else epoch, type=type_, ts=self._clock(), seq=seq,
             gap_from=gap[0] if gap else None, gap_to=gap[1] if gap else None, reason=reason,
             topic=ident.topic, bridge_version=__version__, batch_ts=batch_ts,
         )
-        at = record_at(seq, rec.ts, gap, run=type_ in ("start", "stop"))
+        # A start or a stop is one bridge process's own: named by its time,
+        # not its seq. A bridge that resumes the epoch and stops again with
+        # no batch between has the seq of its predecessor's start or stop,
+        # and the stream's duplicate window would drop its record as a copy.
+        at = record_at(None if type_ in ("start", "stop") else seq, rec.ts, gap)
         msg_id = record_id(stream_base(self._token, ident.dp_rank, rec.epoch), at, type_)
         out = self._encoder.record(rec, self._subjects, msg_id)
         return OutBatch(self._stream, rec.epoch, -1, rec.ts, [out], ident.dp_rank)

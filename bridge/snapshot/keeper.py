@@ -3,13 +3,14 @@
 The bridge runs the contract's own residency rules (`bridge.contract.residency`)
 over its own messages, in the order a consumer meets them: in core mode as they
 are written to NATS (the sink hands each written batch over), in JetStream mode
-as the stream stores them (each message when its ack comes, so the snapshot
-names the stream sequence a reader goes on from). A message's effect lands on
-an index only when a snapshot needs it, or while the bridge has nothing else to
-do: until then the keeper only keeps a reference to the encoded payload it
-already made, and the work of decoding and applying it stays off the path
-from vLLM to NATS. The log is bounded by bytes; past the bound it is applied
-at once.
+as the stream stores them (each message with its ack, in stream order: the ack
+window holds back acks that overtook a lost one until its copy is stored), so
+the snapshot names the stream sequence a reader goes on from. A message's
+effect lands on an index only when a snapshot needs it, or while the bridge
+has nothing else to do: until then the keeper only keeps a reference to the
+encoded payload it already made, and the work of decoding and applying it
+stays off the path from vLLM to NATS. The log is bounded by bytes; past the
+bound it is applied at once.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class ResidencyKeeper:
             self.catch_up_to(self._max_log_bytes // 2)
 
     def stored(self, msg: Outgoing, ack: bytes) -> None:
-        """A message the stream acked (JetStream mode), in ack order."""
+        """A message the stream stored (JetStream mode), with its ack, in
+        stream order (bridge.sink.acks.AckWindow hands them over so)."""
         self._log.append((msg, ack))
         self.log_bytes += msg.nbytes
         if self.log_bytes > self._max_log_bytes:

@@ -16,7 +16,7 @@ from nats.js import api
 from nats.js.kv import KeyValue
 
 from bridge.contract import HDR_MSG_ID
-from bridge.contract.snapshot import SnapshotHead, SnapshotUnavailable, read_bucket
+from bridge.contract.snapshot import RankSnapshot, SnapshotHead, SnapshotUnavailable, read_bucket
 from bridge.snapshot.keeper import ResidencyKeeper
 
 log = structlog.get_logger("bridge.snapshot")
@@ -48,6 +48,32 @@ async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, kv
             found = None
         if found is not None:
             head, snap = found
+    try:
+        info = await js.stream_info(stream)
+    except (nats.errors.Error, TimeoutError, OSError) as exc:
+        restore_rank(keeper, dp_rank, snap, None)
+        _failed(dp_rank, stream, exc)
+        return head
+    start = restore_rank(keeper, dp_rank, snap, info.state.first_seq)
+    try:
+        applied = await _replay(js, keeper, stream, f"{subject_base}.>", start, dp_rank)
+    except (nats.errors.Error, TimeoutError, OSError) as exc:
+        keeper.index.missing(worker, dp_rank)
+        _failed(dp_rank, stream, exc)
+        return head
+    view = keeper.index.view(worker, dp_rank)
+    log.info("snapshot_rebuilt", dp_rank=dp_rank, from_snapshot=snap is not None, replayed=applied,
+             partial=view.partial if view is not None else None)
+    return head
+
+
+def restore_rank(keeper: ResidencyKeeper, dp_rank: int, snap: RankSnapshot | None, first_seq: int | None) -> int:
+    """The pure start of a rebuild: the rank's view replaced by the bucket's
+    snapshot `snap` (None: none), and marked partial unless the snapshot is
+    complete and the stream (now starting at `first_seq`; None: unknown)
+    still holds every message after it. Returns the stream sequence to replay
+    the rank's messages from (`replayed` applies each)."""
+    keeper.forget(dp_rank)
     start = 1
     complete = False
     if snap is not None:
@@ -55,22 +81,22 @@ async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, kv
         keeper.mark_applied(dp_rank, snap.through, snap.stream_seq)
         start = snap.stream_seq + 1
         complete = snap.complete
-    try:
-        info = await js.stream_info(stream)
-        if info.state.first_seq > start:
-            complete = False  # messages after the snapshot (perhaps ours) are gone
-        if not complete:
-            keeper.index.missing(worker, dp_rank)
-        applied = await _replay(js, keeper, stream, f"{subject_base}.>", start, dp_rank)
-    except (nats.errors.Error, TimeoutError, OSError) as exc:
-        keeper.index.missing(worker, dp_rank)
-        log.warning("snapshot_rebuild_failed", dp_rank=dp_rank, stream=stream, error=type(exc).__name__,
-                    detail=str(exc)[:200])
-        return head
-    view = keeper.index.view(worker, dp_rank)
-    log.info("snapshot_rebuilt", dp_rank=dp_rank, from_snapshot=snap is not None, replayed=applied,
-             partial=view.partial if view is not None else None)
-    return head
+    if first_seq is None or first_seq > start:
+        complete = False  # messages after the snapshot (perhaps ours) are gone, or may be
+    if not complete:
+        keeper.index.missing(keeper.worker, dp_rank)
+    return start
+
+
+def replayed(keeper: ResidencyKeeper, dp_rank: int, headers: dict[str, str], data: bytes, stream_seq: int) -> None:
+    """One of the rank's messages the stream holds after the snapshot, in stream order."""
+    keeper.apply_payload(headers, data)
+    keeper.mark_applied(dp_rank, headers.get(HDR_MSG_ID, ""), stream_seq)
+
+
+def _failed(dp_rank: int, stream: str, exc: BaseException) -> None:
+    log.warning("snapshot_rebuild_failed", dp_rank=dp_rank, stream=stream, error=type(exc).__name__,
+                detail=str(exc)[:200])
 
 
 async def _replay(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, stream: str, subject: str, start: int,
@@ -96,9 +122,7 @@ async def _replay(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, stream:
                 except nats.errors.TimeoutError:
                     break
                 for msg in msgs:
-                    headers = dict(msg.headers or {})
-                    keeper.apply_payload(headers, msg.data)
-                    keeper.mark_applied(dp_rank, headers.get(HDR_MSG_ID, ""), msg.metadata.sequence.stream)
+                    replayed(keeper, dp_rank, dict(msg.headers or {}), msg.data, msg.metadata.sequence.stream)
                     applied += 1
                     remaining = msg.metadata.num_pending
         finally:

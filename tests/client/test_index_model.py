@@ -8,7 +8,6 @@ with the index.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
@@ -19,6 +18,7 @@ from bridge.client.subscribe import Interruption
 from bridge.contract import GroupMessage
 from bridge.contract.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, record, removed, stored
+from tests.client.model import replay
 
 POOL = 6  # hash ids 0..5; a request's chain is mostly 0, 1, 2, ... as real chains are
 RANKS = (0, 1)
@@ -34,44 +34,6 @@ class RankModel:
     watching: bool = True
     pending_reset: bool = False  # the epoch moved on without a record
     sent: list[GroupMessage] = field(default_factory=list)  # since the view's last reset
-
-
-def replay(log: list[tuple]) -> tuple[dict, dict, dict, Counter, set]:  # type: ignore[type-arg]
-    """(trusted, suspect, placeholder) counters keyed (group, medium, h), unknown
-    removals per group, and the groups seen, from one rank's log."""
-    trusted: Counter = Counter()  # type: ignore[type-arg]
-    suspect: Counter = Counter()  # type: ignore[type-arg]
-    holder: Counter = Counter()  # type: ignore[type-arg]
-    unknown: Counter = Counter()  # type: ignore[type-arg]
-    groups: set[int] = set()
-    for op in log:
-        if op[0] == "store":
-            _, g, m, hashes, placeholder = op
-            groups.add(g)
-            if g == STATE and m != "GPU" and len(hashes) > 1:
-                # offload tiers hold one state per chunk; GPU lists only checkpoints
-                hashes = hashes[-1:]
-            for h in hashes:
-                (holder if placeholder else trusted)[(g, m, h)] += 1
-        elif op[0] == "remove":
-            _, g, m, hashes = op
-            groups.add(g)
-            for h in hashes:
-                for layer in (trusted, suspect, holder):
-                    if layer[(g, m, h)] > 0:
-                        layer[(g, m, h)] -= 1
-                        break
-                else:
-                    unknown[g] += 1
-        elif op[0] == "gap":
-            for k, n in trusted.items():
-                suspect[k] += n
-            trusted.clear()
-        elif op[0] == "clear":
-            trusted.clear()
-            suspect.clear()
-            holder.clear()
-    return dict(trusted), dict(suspect), dict(holder), unknown, groups
 
 
 def model_prefix(log: list[tuple], chain: list, media: tuple[str, ...] | None, with_suspect: bool) -> int:  # type: ignore[type-arg]

@@ -6,6 +6,7 @@ import msgspec
 
 from bridge.client.subscribe import Interruption
 from bridge.contract.residency.index import ResidencyIndex
+from bridge.contract.snapshot import SnapshotMissing
 from tests.client.builders import ATTN, STATE, hb, msg, record, removed, stored
 
 CHAIN = [hb(i) for i in range(6)]
@@ -69,6 +70,33 @@ def test_a_newer_epoch_without_a_record_resets_too() -> None:
     assert _blocks(index) == 1
     view = index.view("w", 0)
     assert view is not None and view.epoch == 5 and view.restarts == 0
+    # what the new process announced before this message never reached us
+    assert view.partial and view.stale and index.match("w", 0, CHAIN).stale  # type: ignore[union-attr]
+
+
+def test_a_partial_view_stays_partial_through_a_clear_until_a_restart_or_fresh_start() -> None:
+    """A clear empties the caches, not the view's ignorance: a group it never
+    heard of (here an empty state group, which blocks every prefix for the
+    consumer that knows it) is still missing from it. Only a record that
+    drops the groups too makes it whole."""
+    head = [msg([stored(CHAIN[:4])]), msg([stored([CHAIN[3]], group=STATE)], group=STATE)]
+    tail = [record("cleared", seq=8), msg([stored(CHAIN[:2])])]
+    watcher = _fed(*head, *tail)
+    late = ResidencyIndex()
+    late.apply(SnapshotMissing("w", 0, "no bridge answers"))
+    for item in tail:
+        late.apply(item)
+    view = late.view("w", 0)
+    assert view is not None and view.partial and view.stale
+    assert set(view.groups) == {ATTN} and set(watcher.view("w", 0).groups) == {ATTN, STATE}  # type: ignore[union-attr]
+    assert _blocks(watcher) == 0 and late.match("w", 0, CHAIN).blocks == 2  # type: ignore[union-attr]
+    for reset in (record("restart", epoch=2, seq=0), record("start", reason="fresh")):
+        again = ResidencyIndex()
+        for item in (SnapshotMissing("w", 0, "none"), *tail, reset):
+            again.apply(item)
+        assert not again.view("w", 0).partial  # type: ignore[union-attr]
+    late.apply(record("start", reason="resumed"))
+    assert view.partial
 
 
 def test_fresh_start_drops_the_view_and_resumed_start_keeps_it() -> None:

@@ -204,8 +204,9 @@ async def test_a_rank_without_a_snapshot_is_stale_never_silently_partial(nats_se
     """Core mode, two workers: pod-d1's bridge keeps snapshots, pod-d2's runs
     with --no-snapshots (no service, and no bucket in core mode). A late
     consumer holds pod-d1 whole; pod-d2 is partial and stale (a router is
-    told: its matches are stale), until a cache clear empties it, after
-    which it is whole again and equals the watcher's."""
+    told: its matches are stale), a cache clear included (a group the view
+    never heard of is still unknown), until its bridge starts afresh: then
+    it is whole again and equals the watcher's."""
     url = nats_server.url
     whole = Worker(tmp_path, "pod-d1", url)
     blind = Worker(tmp_path, "pod-d2", url, extra=("--no-snapshots",), seed=11)
@@ -233,13 +234,20 @@ async def test_a_rank_without_a_snapshot_is_stale_never_silently_partial(nats_se
                 assert view is not None and view.partial and view.stale
                 assert not watcher.view("pod-d2", 0).stale  # type: ignore[union-attr]
                 assert late.match("pod-d2", 0, []).stale  # type: ignore[union-attr]
-                # a clear empties the view: nothing is missing any more
+                # a clear empties the caches, not what the view does not know of the groups
                 blind.publish(5, clear_at=0)
                 await wait_until(lambda: blind.caught_up(watcher) and blind.caught_up(late), 20, "the clear")
                 view = late.view("pod-d2", 0)
+                assert view is not None and view.partial and view.stale
+                # a bridge that starts afresh (core mode) resets every view of the rank
+                blind.bridge.stop(timeout=15)
+                await blind.start()
+                blind.publish(5)
+                await wait_until(lambda: blind.caught_up(watcher) and blind.caught_up(late), 20, "the fresh start")
+                view = late.view("pod-d2", 0)
                 assert view is not None and not view.partial and not view.stale
                 assert _resident(late, "pod-d2") == _resident(watcher, "pod-d2")
-                assert any(_resident(late, "pod-d2").values()), "blocks stored after the clear"
+                assert any(_resident(late, "pod-d2").values()), "blocks stored after the fresh start"
     finally:
         whole.close()
         blind.close()

@@ -202,7 +202,12 @@ class ResidencyIndex:
             view.old_epoch_ignored += 1
             return None
         elif epoch > view.epoch:
+            # A new vLLM process whose restart record we never met (lost, or
+            # rolled off the stream before we read it): what it announced
+            # before this message is unknown, so the view is partial until a
+            # record empties it.
             self._reset(view, epoch)
+            view.partial = True
         return view
 
     def _new_view(self, key: WorkerKey, epoch: int) -> WorkerView:
@@ -365,7 +370,9 @@ class ResidencyIndex:
             view.clears += 1
             for g in view.groups.values():
                 g.clear()
-            view.partial = False  # empty is a view with nothing missing
+            # A partial view stays so: its caches are empty now, but a group
+            # it never heard of (an empty state group blocks every prefix)
+            # is still missing from it.
         elif rec.type == "stop":
             view.watching = False
 
@@ -448,7 +455,7 @@ class ResidencyIndex:
 
     def missing(self, worker: str, dp_rank: int) -> WorkerView:
         """No snapshot of the rank could be had: its view is what messages
-        tell from now on, stale until a record empties it."""
+        tell from now on, stale until a restart or a fresh start empties it."""
         key = WorkerKey(worker, dp_rank)
         view = self.views.get(key) or self._new_view(key, 0)
         view.partial = True

@@ -357,7 +357,9 @@ class WorkerView:
     def partial(self) -> bool:
         """The view may lack part of the rank's history: it was bootstrapped
         with no snapshot, or from one that was itself partial. A record that
-        empties the view (a fresh start, a restart, a clear) ends it."""
+        empties the view and its groups (a fresh start, a restart) ends it;
+        a clear does not: it empties the caches, but the groups the view never
+        heard of stay unknown, and the prefix rule needs every group."""
         return self._partial
 
     @partial.setter
