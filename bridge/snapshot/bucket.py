@@ -96,9 +96,7 @@ class SnapshotWriter:
         if not (everything or force_changed or self._rewrite_due(now)) and \
                 keeper.pending + self._most_unwritten() < self._every:
             return 0
-        while keeper.pending:
-            keeper.catch_up(1024)
-            await anyio.sleep(0)
+        await keeper.catch_up_all()
         written = 0
         for rank in keeper.ranks():
             applied = keeper.applied.get(rank, 0)
@@ -108,11 +106,11 @@ class SnapshotWriter:
                 now - when >= self._rewrite_after
             if not due:
                 continue
-            snap = keeper.snapshot(rank)
-            if snap is None:
+            taken = await keeper.export(rank)
+            if taken is None:
                 continue
             try:
-                await self.write(snap)
+                await self.write(*taken)
             except Exception as exc:  # NATS or JetStream away: the next round tries again
                 self._metrics.snapshot_writes.labels("failed").inc()
                 log.warning("snapshot_write_failed", dp_rank=rank, error=type(exc).__name__, detail=str(exc)[:200])
@@ -129,14 +127,15 @@ class SnapshotWriter:
     def _rewrite_due(self, now: float) -> bool:
         return any(now - when >= self._rewrite_after for _, when in self._written.values())
 
-    async def write(self, snap: RankSnapshot) -> SnapshotHead:
-        """The rank's snapshot: its parts into the slot not in use, then the head."""
+    async def write(self, snap: RankSnapshot, data: bytes | None = None) -> SnapshotHead:
+        """The rank's snapshot (`data`: its encoding, if made already): its
+        parts into the slot not in use, then the head."""
         kv = self._kv
         rank = snap.dp_rank
         key = snapshot_key(snap.worker, rank)
         last_slot, counts = self._slot.get(rank, (_SLOTS[1], {}))
         slot = _SLOTS[0] if last_slot == _SLOTS[1] else _SLOTS[1]
-        data = encode_snapshot(snap)
+        data = encode_snapshot(snap) if data is None else data
         snap_id = f"{snap.epoch}-{int(snap.taken_at * 1000)}-{rank}"
         parts = split(snap, data, snap_id, self._max_part)
         for part in parts:

@@ -27,7 +27,7 @@ import structlog
 from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, GroupMessage, WorkerRecord
 from bridge.contract import decoder_for as _decoder_for
 from bridge.contract.residency import ResidencyIndex
-from bridge.contract.snapshot import RankSnapshot
+from bridge.contract.snapshot import RankSnapshot, encode_snapshot
 from bridge.sink.acks import ack_seq
 from bridge.sink.encode import Outgoing
 
@@ -67,6 +67,8 @@ class ResidencyKeeper:
         # them with what it last wrote.
         self.applied: dict[int, int] = {}
         self.undecodable = 0
+        # Exports in progress (worker threads reading the index): nothing is applied meanwhile.
+        self._exporting = 0
 
     # -- what the sink hands over -----------------------------------------
 
@@ -94,7 +96,10 @@ class ResidencyKeeper:
         return len(self._log)
 
     def catch_up(self, limit: int = 0) -> int:
-        """Applies up to `limit` logged messages (0: all); returns how many."""
+        """Applies up to `limit` logged messages (0: all); returns how many
+        (none while a snapshot is being exported: the log holds them)."""
+        if self._exporting:
+            return 0
         n = 0
         log_ = self._log
         while log_ and (not limit or n < limit):
@@ -105,8 +110,17 @@ class ResidencyKeeper:
         return n
 
     def catch_up_to(self, log_bytes: int) -> None:
-        while self._log and self.log_bytes > log_bytes:
-            self.catch_up(IDLE_SLICE)
+        while self._log and self.log_bytes > log_bytes and self.catch_up(IDLE_SLICE):
+            pass
+
+    async def catch_up_all(self) -> None:
+        """Applies what is logged now, a slice at a time between the loop's
+        other work; waits out an export in progress."""
+        target = self.pending
+        while target > 0 and self._log:
+            n = self.catch_up(min(target, IDLE_SLICE * 16))
+            target -= n
+            await anyio.sleep(0 if n else 0.005)
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One message of the bus, as a consumer reads it."""
@@ -144,6 +158,21 @@ class ResidencyKeeper:
             stream_seq=through.seq if through else 0, now=time.time(),
         )
 
+    async def export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
+        """The rank's snapshot and its encoding, made in a worker thread so
+        the loop goes on reading ZMQ and publishing (a million blocks take a
+        second or more); the index is left alone meanwhile: what comes waits
+        in the log. Apply the log first (`catch_up_all`) for the latest."""
+        self._exporting += 1
+        try:
+            return await anyio.to_thread.run_sync(self._export, dp_rank)
+        finally:
+            self._exporting -= 1
+
+    def _export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
+        snap = self.snapshot(dp_rank)
+        return None if snap is None else (snap, encode_snapshot(snap))
+
     def forget(self, dp_rank: int) -> None:
         """The rank's view is gone (a rebuild starts it again)."""
         view = self.index.view(self.worker, dp_rank)
@@ -161,6 +190,5 @@ async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool]) -> None:
     slice at a time, until cancelled."""
     while True:
         await anyio.sleep(0.02)
-        while keeper.pending and idle():
-            keeper.catch_up(IDLE_SLICE)
+        while keeper.pending and idle() and keeper.catch_up(IDLE_SLICE):
             await anyio.sleep(0)

@@ -11,7 +11,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-import anyio
 import msgspec
 import nats.micro
 import structlog
@@ -25,12 +24,11 @@ from bridge.contract.snapshot import (
     SnapshotPart,
     decode_request,
     encode_part,
-    encode_snapshot,
     snapshot_subject,
     split,
 )
 from bridge.observe.metrics import Metrics
-from bridge.snapshot.keeper import IDLE_SLICE, ResidencyKeeper
+from bridge.snapshot.keeper import ResidencyKeeper
 
 log = structlog.get_logger("bridge.snapshot")
 
@@ -108,14 +106,11 @@ class SnapshotService:
         keeper = self._keeper
         began = time.perf_counter()
         # Everything logged so far, in slices: ZMQ and the sink keep going meanwhile.
-        target = keeper.pending
-        while target > 0:
-            target -= keeper.catch_up(min(target, IDLE_SLICE * 16))
-            await anyio.sleep(0)
-        snap = keeper.snapshot(rank)
-        if snap is None:
+        await keeper.catch_up_all()
+        taken = await keeper.export(rank)
+        if taken is None:
             return None
-        data = encode_snapshot(snap)
+        snap, data = taken
         self._next_id += 1
         snap_id = f"{snap.epoch}-{int(snap.taken_at * 1000)}-{self._next_id}"
         parts = split(snap, data, snap_id, max(1024, self._max_payload() - PART_OVERHEAD))
