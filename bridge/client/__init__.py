@@ -14,6 +14,7 @@ docs/consumers.md has a complete example and the semantics in full.
 """
 
 from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments, settings_for
+from bridge.client.bootstrap import BootstrapOptions, SnapshotSource
 from bridge.client.chain import ChainHasher, request_chain
 from bridge.client.codec import BusCodec, BusDecodeError
 from bridge.client.registry import RegistryFollower, declare_entry
@@ -23,9 +24,11 @@ from bridge.contract.residency.hashes import as_int, lookup_keys
 from bridge.contract.residency.index import ResidencyIndex
 from bridge.contract.residency.prefix import PrefixMatch, window_blocks
 from bridge.contract.residency.views import GroupResidency, WorkerKey, WorkerView
+from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 
 __all__ = [
     "DEFAULT_URL",
+    "BootstrapOptions",
     "BusCodec",
     "BusConnection",
     "BusDecodeError",
@@ -37,8 +40,11 @@ __all__ = [
     "GroupResidency",
     "Interruption",
     "PrefixMatch",
+    "RankSnapshot",
     "RegistryFollower",
     "ResidencyIndex",
+    "SnapshotMissing",
+    "SnapshotSource",
     "StartAt",
     "WorkerEntry",
     "WorkerKey",

@@ -28,6 +28,7 @@ from bridge.client.subscribe import DEFAULT_STREAM, BusSubscriber, StartAt, pars
 from bridge.contract import DEFAULT_DEAD_AFTER
 from bridge.contract.residency.index import ResidencyIndex
 from bridge.contract.residency.views import WorkerKey, WorkerView
+from bridge.contract.snapshot import RankSnapshot
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 _LIVENESS_STYLE = {"alive": "green", "dead": "bold red", "stopped": "yellow", "watching": "green", "?": "dim"}
@@ -92,10 +93,18 @@ class RateMeter:
         self.rates: dict[tuple[WorkerKey, int], tuple[float, float]] = {}
         self._alpha = smoothing
         self._first: float | None = None
+        # Ranks whose counters came whole from a snapshot: the next sample is their baseline.
+        self._restored: set[WorkerKey] = set()
+
+    def restored(self, key: WorkerKey) -> None:
+        """The rank's view was replaced by a snapshot: its counters carry the
+        rank's whole past, which is no rate."""
+        self._restored.add(key)
 
     def sample(self, index: ResidencyIndex, now: float) -> None:
         if self._first is None:
             self._first = now
+        restored, self._restored = self._restored, set()
         for view in index:
             for group, g in view.groups.items():
                 key = (view.key, group)
@@ -103,7 +112,7 @@ class RateMeter:
                 # seen now has counted since the first sample.
                 prev = self._last.get(key, (self._first, 0, 0))
                 self._last[key] = (now, g.stored, g.removed + g.unknown_removals)
-                if now <= prev[0]:
+                if now <= prev[0] or view.key in restored:
                     continue
                 dt = now - prev[0]
                 # counters restart when a view resets; a negative delta is no rate
@@ -200,9 +209,11 @@ def build_table(index: ResidencyIndex, follower: RegistryFollower | None, rates:
     return table
 
 
-async def _feed(sub: BusSubscriber, index: ResidencyIndex) -> None:
+async def _feed(sub: BusSubscriber, index: ResidencyIndex, rates: RateMeter) -> None:
     async for item in sub:
         index.apply(item)
+        if type(item) is RankSnapshot:
+            rates.restored(WorkerKey(item.worker, item.dp_rank))
 
 
 async def watch(settings: NatsAccess, opts: WatchOptions, out: TextIO) -> int:
@@ -224,7 +235,7 @@ async def watch(settings: NatsAccess, opts: WatchOptions, out: TextIO) -> int:
     try:
         async with BusSubscriber(conn, subject, since=opts.since, stream=opts.stream, bootstrap=opts.bootstrap) as sub:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_feed, sub, index)
+                tg.start_soon(_feed, sub, index, rates)
                 if follower is not None:
                     tg.start_soon(follower.run)
                 start = time.monotonic()

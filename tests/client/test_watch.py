@@ -107,3 +107,25 @@ async def test_watch_exits_zero_on_ctrl_c(nats_server: NatsServerProcess) -> Non
             proc.kill()
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err
+
+
+def test_a_snapshots_counters_are_no_rate() -> None:
+    """A view restored from a snapshot carries its rank's lifetime counters:
+    the rates start from it, not from zero (a late `watch` showed thousands
+    of stores a second that never happened)."""
+    source = ResidencyIndex()
+    for i in range(50):
+        source.apply(msg([stored([hb(i)])], seq=i + 1))
+    snap = source.snapshot("w", 0)
+    assert snap is not None and snap.groups[0].stored == 50
+    index = ResidencyIndex()
+    rates = RateMeter(smoothing=1.0)
+    rates.sample(index, 100.0)
+    index.apply(snap)
+    rates.restored(snap_key := index.view("w", 0).key)  # type: ignore[union-attr]
+    rates.sample(index, 101.0)
+    assert rates.rates.get((snap_key, 0), (0.0, 0.0))[0] == 0.0
+    for i in range(50, 60):
+        index.apply(msg([stored([hb(i)])], seq=i + 1))
+    rates.sample(index, 102.0)
+    assert rates.rates[(snap_key, 0)][0] == 10.0

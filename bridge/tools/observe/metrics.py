@@ -120,7 +120,8 @@ class ObserveCollector(Collector):
         staleness = GaugeMetricFamily("kvobserve_staleness_seconds", "Seconds since the last message of the worker "
                                       "rank.", labels=["worker", "dp_rank"])
         stale = GaugeMetricFamily("kvobserve_stale", "1 while the view holds suspect entries (a gap since its "
-                                  "reset).", labels=["worker", "dp_rank"])
+                                  "reset) or is partial (started without a whole snapshot).",
+                                  labels=["worker", "dp_rank"])
         watching = GaugeMetricFamily("kvobserve_watching", "1 while the worker's bridge watches it.",
                                      labels=["worker", "dp_rank"])
         last_seq = GaugeMetricFamily("kvobserve_last_seq", "vLLM batch seq of the last message.",
