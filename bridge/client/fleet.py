@@ -8,11 +8,13 @@ process for a third of a second):
 
 - Every hash gets a small int id (`_ids`: hash → id; id → hash in tuples of
   256, which the collector stops tracking as they hold only ints and bytes);
-  ids are freed and reused when nothing holds the hash any more (`_dead`
+  ids are freed and reused when nothing holds the hash any more (`_idstate`
   marks a freed id until then: its tuple still names the old hash). New
-  hashes take consecutive ids, so a stored chain is a few runs of ids. Ints
-  and bytes are kept apart (a bytes query also looks up its int form, never
-  the reverse), as `bridge.client.hashes` says.
+  hashes take consecutive ids, so a stored chain is a few runs of ids; an
+  int hash of 64 bits is also kept in an `array('Q')` by id (`_n64`), for
+  comparing runs with a request in C. Ints and bytes are kept apart (a
+  bytes query also looks up its int form, never the reverse), as
+  `bridge.client.hashes` says.
 - Every worker rank gets a slot; a set of slots is a bitset (a Python int).
   Holder sets are interned in one table and named by a set id, a "sid": 0 is
   nobody, 2s+1 is slot s alone, even sids are the shared sets, counted by
@@ -66,6 +68,7 @@ TRUSTED, SUSPECT, PLACEHOLDER = "trusted", "suspect", "placeholder"
 _SHIFT = 8
 _CHUNK = 1 << _SHIFT
 _MASK = _CHUNK - 1
+_U64 = 1 << 64
 _NONZERO = re.compile(rb"[^\x00]")
 _FEW = 16  # non-zero bytes of a run's changes found one search at a time
 
@@ -260,8 +263,10 @@ class FleetResidency:
         self._next_id = 1
         self._free: list[int] = []
         self._cap = 1024
-        # 1 at ids freed and not yet reused (their chunk keeps the old name)
-        self._dead = bytearray(self._cap)
+        # Per id: 0 free (a freed id's chunk keeps the old name), 1 live with
+        # an int hash of 64 bits (its value in _n64), 2 live with another.
+        self._idstate = bytearray(self._cap)
+        self._n64 = array("Q", bytes(8 * self._cap))
         self._int_ids = 0
         self._bytes_ids = 0
         # holder sets: sid → bitset, bitset → even sid, references of even sids
@@ -478,7 +483,8 @@ class FleetResidency:
                 if id(col) not in seen:
                     seen.add(id(col))
                     col.frombytes(pad)
-        self._dead += bytes(cap - self._cap)
+        self._idstate += bytes(cap - self._cap)
+        self._n64.frombytes(bytes(8 * (cap - self._cap)))
         self._cap = cap
 
     def _intern(self, hashes: list[BlockHash]) -> list[int]:
@@ -505,9 +511,7 @@ class FleetResidency:
         del free[len(free) - k:]
         if k:
             self._name(out, hashes)
-            dead = self._dead
-            for i in out:
-                dead[i] = 0
+            self._mark(out, hashes)
         if k < len(hashes):
             start = self._next_id
             self._next_id += len(hashes) - k
@@ -515,6 +519,14 @@ class FleetResidency:
             if self._next_id > self._cap:
                 self._grow(self._next_id)
             self._name_run(start, hashes[k:])
+            fresh = hashes[k:]
+            try:
+                values = array("Q", cast(list[int], fresh))
+            except (TypeError, OverflowError):
+                self._mark(range(start, self._next_id), fresh)
+            else:
+                self._n64[start:self._next_id] = values
+                self._idstate[start:self._next_id] = b"\x01" * len(fresh)
         self._ids.update(zip(hashes, out))
         kinds = set(map(type, hashes))
         if kinds == {int}:
@@ -526,6 +538,16 @@ class FleetResidency:
             self._bytes_ids += nb
             self._int_ids += len(hashes) - nb
         return out
+
+    def _mark(self, ids: Iterable[int], hashes: list[BlockHash]) -> None:
+        """_idstate and _n64 for ids just named."""
+        state, n64 = self._idstate, self._n64
+        for i, h in zip(ids, hashes):
+            if isinstance(h, int) and 0 <= h < _U64:
+                n64[i] = h
+                state[i] = 1
+            else:
+                state[i] = 2
 
     def _hash_at(self, i: int) -> BlockHash:
         return self._chunks[i >> _SHIFT][i & _MASK]  # type: ignore[return-value]
@@ -571,7 +593,7 @@ class FleetResidency:
         h = self._hash_at(i)
         del self._ids[h]  # its chunk keeps the stale name until the id is reused
         self._free.append(i)
-        self._dead[i] = 1
+        self._idstate[i] = 0
         if type(h) is bytes:
             self._bytes_ids -= 1
         else:
@@ -1102,11 +1124,13 @@ class FleetResidency:
 
         Ids are handed out in the order hashes arrive, so a stored chain is a
         few runs: one dict lookup per run, its names checked a chunk at a
-        time; after the first unknown block, one lookup per block."""
+        time; after the first unknown block, one `isdisjoint` pass over the
+        rest, and a lookup per block only if that finds something."""
         n_full = len(chain)
+        q64: array[int] | None = None  # the chain as ints of 64 bits, if it is
         if self._int_ids and n_full:
             try:
-                array("Q", cast(Sequence[int], chain))  # ints only: no int-form lookups
+                q64 = array("Q", cast(Sequence[int], chain))
             except (TypeError, OverflowError):
                 if bytes in set(map(type, chain)):
                     return None
@@ -1119,11 +1143,11 @@ class FleetResidency:
                 end = j + 1
                 for j in self._maybe_known(chain, end) if end < n_full else ():
                     if j >= end and (i := get(chain[j])) is not None:
-                        length = self._run_length(chain, j, i)
+                        length = self._run_length(chain, q64, j, i)
                         runs.append((j, i, length))
                         end = j + length
                 break
-            length = self._run_length(chain, j, i)
+            length = self._run_length(chain, q64, j, i)
             runs.append((j, i, length))
             j += length
         if not runs:
@@ -1131,11 +1155,20 @@ class FleetResidency:
         j, _, length = runs[-1]
         return runs, j + length
 
-    def _run_length(self, chain: tuple[BlockHash, ...], j: int, i: int) -> int:
+    def _run_length(self, chain: tuple[BlockHash, ...], q64: array[int] | None, j: int, i: int) -> int:
         """How many blocks from chain[j] (whose id is i) have the ids i, i+1, ...:
-        live ids whose names equal the blocks (equal hashes, as the dict finds them)."""
+        live ids whose hashes equal the blocks (as the dict finds them). With
+        the chain as ints of 64 bits (q64), two arrays compared; else the
+        names, a tuple at a time."""
         m = min(len(chain) - j, self._next_id - i)
-        d = self._dead.find(1, i, i + m)
+        state = self._idstate
+        if q64 is not None:
+            # ids of other hashes cannot equal these blocks: the run ends there
+            stop = [x for x in (state.find(0, i, i + m), state.find(2, i, i + m)) if x >= 0]
+            if stop:
+                m = max(1, min(stop) - i)
+            return 1 + _equal_prefix(q64, j + 1, self._n64, i + 1, m - 1)
+        d = state.find(0, i, i + m)
         if d >= 0:
             m = d - i
         chunks = self._chunks
@@ -1504,6 +1537,22 @@ def _segments(col: list[int] | None, n: int, sets: list[int] | None) -> tuple[li
     if sets is None:
         return starts, list(map(col.__getitem__, starts))
     return starts, list(map(sets.__getitem__, map(col.__getitem__, starts)))
+
+
+def _equal_prefix(a: array[int], a0: int, b: array[int], b0: int, n: int) -> int:
+    """How many of a[a0:a0+n] equal b[b0:b0+n] from the start (slices compared, halving)."""
+    if n <= 0 or a[a0:a0 + n] == b[b0:b0 + n]:
+        return max(n, 0)
+    lo, hi = 0, n  # equal before lo; a difference before hi
+    while hi - lo > 16:
+        mid = (lo + hi) >> 1
+        if a[a0 + lo:a0 + mid] == b[b0 + lo:b0 + mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[a0 + lo] == b[b0 + lo]:
+        lo += 1
+    return lo
 
 
 def _dense_col(col: list[int], sets: list[int] | None) -> list[int]:

@@ -58,7 +58,7 @@ def test_a_run_stops_at_an_id_freed_whose_name_is_stale(monkeypatch: pytest.Monk
     ])
     fleet = new.fleet
     old = fleet._ids[chain[2]] + 1
-    assert fleet._hash_at(old) == chain[3] and fleet._ids[chain[3]] != old and fleet._dead[old]
+    assert fleet._hash_at(old) == chain[3] and fleet._ids[chain[3]] != old and not fleet._idstate[old]
     got = _same(new, ref, chain, monkeypatch)
     assert [(m.worker, m.blocks) for m in got] == [("c", 4), ("a", 3), ("b", 0)]
     assert _same(new, ref, chain[3:], monkeypatch)[0].worker == "c"
@@ -149,3 +149,24 @@ def test_one_layout_many_workers_answers_by_class(monkeypatch: pytest.MonkeyPatc
 def test_answers_are_not_tracked_by_the_cyclic_collector() -> None:
     new, _ = _both([msg([stored([hi(0)])], worker="a"), msg([stored([hi(0)])], worker="b")])
     assert not any(gc.is_tracked(m) for m in new.longest_prefix([hi(0), hi(1)]))
+
+
+def test_a_bytes_block_after_known_ints_is_found_in_int_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    ints = [hi(i) for i in range(6)]
+    new, ref = _both([msg([stored(ints)], worker="a"), msg([stored(ints[:2])], worker="b")])
+    for chain in (ints[:4] + [hb(4)] + ints[5:], ints[:4] + [hb(4), hb(5)], [hb(0)] + ints[1:]):
+        got = _same(new, ref, chain, monkeypatch)
+        assert (got[0].worker, got[0].blocks) == ("a", 6)
+
+
+def test_a_run_of_ints_stops_at_an_id_reused_by_a_bytes_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    ints = [hi(i) for i in range(4)]
+    new, ref = _both([
+        msg([stored(ints)], worker="a"),
+        msg([removed([ints[2]])], worker="a"),
+        msg([stored([hb(9)])], worker="a"),  # takes the id ints[2] had
+    ])
+    fleet = new.fleet
+    assert fleet._ids[hb(9)] == fleet._ids[ints[1]] + 1
+    got = _same(new, ref, ints, monkeypatch)
+    assert (got[0].worker, got[0].blocks) == ("a", 2)
