@@ -1457,13 +1457,14 @@ class FleetResidency:
         ans = self.answer(chain, candidates, media, include_suspect)
         # Per position in the index's order: blocks, and the limits to copy
         # (the shared template unless a group's limit is not 0).
-        blocks = [0] * len(slots)
+        depth = [0] * len(slots) if ans.blocks else []
         first: list[int] = []  # positions with blocks > 0: deepest first, ties in order
         for p, bits in ans.blocks:
             at = sorted(_slots(bits) if ident else map(pos.__getitem__, _slots(bits)))
             for q in at:
-                blocks[q] = p
+                depth[q] = p
             first += at
+        blocks: Iterable[int] = depth if first else repeat(0)
         classes = _limit_classes(ans, candidates)
         limits: Iterable[dict[int, int]] = templates
         if not classes:
