@@ -8,9 +8,13 @@ process for a third of a second):
 
 - Every hash gets a small int id (`_ids`: hash → id; id → hash in tuples of
   256, which the collector stops tracking as they hold only ints and bytes);
-  ids are freed and reused when nothing holds the hash any more. Ints and
-  bytes are kept apart (a bytes query also looks up its int form, never the
-  reverse), as `bridge.contract.residency.hashes` says.
+  ids are freed and reused when nothing holds the hash any more (`_idstate`
+  marks a freed id until then: its tuple still names the old hash). New
+  hashes take consecutive ids, so a stored chain is a few runs of ids; an
+  int hash of 64 bits is also kept in an `array('Q')` by id (`_n64`), for
+  comparing runs with a request in C. Ints and bytes are kept apart (a
+  bytes query also looks up its int form, never the reverse), as
+  `bridge.contract.residency.hashes` says.
 - Every worker rank gets a slot; a set of slots is a bitset (a Python int).
   Holder sets are interned in one table and named by a set id, a "sid": 0 is
   nobody, 2s+1 is slot s alone, even sids are the shared sets, counted by
@@ -28,22 +32,29 @@ process for a third of a second):
 - Per (slot, tier) a log of the ids the slot took (4 bytes each, compacted):
   what a gap, a clear or a restart of one worker walks instead of the fleet.
 
-A query turns the chain into ids, each group's column into runs of equal
-holder sets (equal sets have equal sids), and applies the hybrid rule
-(`bridge.contract.residency.prefix`) per width: attention = the whole run from block 0,
-window = its last k blocks, state = the block itself. Work per block is a
-few C-level passes; work per worker only where a worker's answer is not 0.
+A query turns the chain into runs of consecutive ids (one dict lookup per
+run, the run's names compared with the chain a tuple at a time; after the
+first unknown block, one `isdisjoint` pass), each group's column into runs
+of equal holder sets (slices of the column, equal sets being equal sids,
+changes found by XOR over the slice as one big int), and applies the hybrid
+rule (`bridge.contract.residency.prefix`) per width: attention = the whole run from
+block 0, window = its last k blocks, state = the block itself. Work per
+block is a few C-level passes; work per worker only where a worker's answer
+is not 0, except building the answers (one `PrefixMatch` each, untracked by
+the collector), whose limits come from the classes of equal limits.
 """
 
 from __future__ import annotations
 
 import heapq
+import re
 from array import array
 from bisect import bisect_right
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import accumulate, compress, count, repeat
-from operator import add, and_, attrgetter, eq, is_, ne, or_, truth
-from typing import NamedTuple, Protocol
+from operator import add, and_, is_, ne, or_, truth
+from typing import Any, NamedTuple, Protocol, cast
 
 from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
 from bridge.contract.residency.prefix import PrefixMatch, window_blocks
@@ -52,11 +63,14 @@ from bridge.contract.residency.views import WorkerKey
 # _BITS[s] is 1 << s, one object per slot.
 _BITS: list[int] = []
 _ALL = -1  # every bit
-_BLOCKS = attrgetter("blocks")
+_BIN01 = bytes.maketrans(b"01", b"\x00\x01")
 TRUSTED, SUSPECT, PLACEHOLDER = "trusted", "suspect", "placeholder"
 _SHIFT = 8
 _CHUNK = 1 << _SHIFT
 _MASK = _CHUNK - 1
+_U64 = 1 << 64
+_NONZERO = re.compile(rb"[^\x00]")
+_FEW = 16  # non-zero bytes of a run's changes found one search at a time
 
 
 def _bit(slot: int) -> int:
@@ -74,7 +88,12 @@ def _slots(bits: int) -> list[int]:
             out.append(s)
             bits ^= _BITS[s]
         return out
-    return list(compress(count(), map(eq, bin(bits)[:1:-1], repeat("1"))))
+    return list(compress(count(), _flags(bits)))
+
+
+def _flags(bits: int) -> bytes:
+    """A bitset as one byte per slot (1 where set), up to its highest slot."""
+    return bin(bits)[:1:-1].encode().translate(_BIN01)
 
 
 def _int_key(h: BlockHash) -> BlockHash:
@@ -195,6 +214,40 @@ class _Answer:
         self.limits: list[tuple[int, list[tuple[int, int]]]] = []  # (group, [(limit, slots)])
 
 
+class _Order(NamedTuple):
+    """The candidates of a query in the index's order (cached until slots or shapes change)."""
+
+    slots: list[int]
+    workers: list[str]
+    ranks: list[int]
+    templates: list[dict[int, int]]  # per position: every group's limit 0 (shared, copied on the way out)
+    pos: dict[int, int]  # slot → position
+    ident: bool  # position == slot
+    by_template: list[tuple[dict[int, int], int]]  # (template, its slots)
+    stale: list[Any]  # [_stale_version it was computed at, per position: stale]
+
+
+def _limit_classes(ans: _Answer, candidates: int) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """The slots with some limit not 0, split by their limits: (slots, ((group, limit), ...))."""
+    parts: list[tuple[int, tuple[tuple[int, int], ...]]] = [(candidates, ())]
+    for group, lv in ans.limits:
+        nonzero = [(v, b) for v, b in lv if v]
+        if not nonzero:
+            continue
+        split = []
+        for bits, assign in parts:
+            rest = bits
+            for v, b in nonzero:
+                x = bits & b
+                if x:
+                    split.append((x, (*assign, (group, v))))
+                    rest &= ~x
+            if rest:
+                split.append((rest, assign))
+        parts = split
+    return [(bits, assign) for bits, assign in parts if assign]
+
+
 class FleetResidency:
     """Every worker rank's residency, one structure for the fleet.
 
@@ -210,6 +263,10 @@ class FleetResidency:
         self._next_id = 1
         self._free: list[int] = []
         self._cap = 1024
+        # Per id: 0 free (a freed id's chunk keeps the old name), 1 live with
+        # an int hash of 64 bits (its value in _n64), 2 live with another.
+        self._idstate = bytearray(self._cap)
+        self._n64 = array("Q", bytes(8 * self._cap))
         self._int_ids = 0
         self._bytes_ids = 0
         # holder sets: sid → bitset, bitset → even sid, references of even sids
@@ -227,6 +284,7 @@ class FleetResidency:
         self._next_slot = 0
         self._suspect: list[int] = []  # per slot: entries with a suspect copy (stale while > 0)
         self._partial: set[int] = set()  # slots whose view may lack part of its history (+1 in _suspect)
+        self._stale_version = 0  # moves whenever a count in _suspect does
         self._worker_bits: dict[str, int] = {}
         self._all = 0
         self._watching = 0
@@ -235,7 +293,7 @@ class FleetResidency:
         self._widths: list[tuple[int, list[tuple[int | None, int]]]] = []
         self._slot_groups: dict[int, tuple[int, ...]] = {}
         self._templates: dict[int, dict[int, int]] = {}
-        self._orders: dict[bool, tuple[list[int], list[str], list[int], list[dict[int, int]]]] = {}
+        self._orders: dict[bool, _Order] = {}
 
     # -- holder sets ---------------------------------------------------------
 
@@ -335,6 +393,7 @@ class FleetResidency:
         self._keys[slot] = key
         self._suspect[slot] = 0
         self._partial.discard(slot)
+        self._stale_version += 1
         self._all |= b
         self._watching |= b
         self._worker_bits[key.worker] = self._worker_bits.get(key.worker, 0) | b
@@ -375,6 +434,7 @@ class FleetResidency:
         holding suspect copies: one extra suspect count while it lasts."""
         if partial != (slot in self._partial):
             self._suspect[slot] += 1 if partial else -1
+            self._stale_version += 1
             if partial:
                 self._partial.add(slot)
             else:
@@ -436,6 +496,8 @@ class FleetResidency:
                 if id(col) not in seen:
                     seen.add(id(col))
                     col.frombytes(pad)
+        self._idstate += bytes(cap - self._cap)
+        self._n64.frombytes(bytes(8 * (cap - self._cap)))
         self._cap = cap
 
     def _intern(self, hashes: list[BlockHash]) -> list[int]:
@@ -462,6 +524,7 @@ class FleetResidency:
         del free[len(free) - k:]
         if k:
             self._name(out, hashes)
+            self._mark(out, hashes)
         if k < len(hashes):
             start = self._next_id
             self._next_id += len(hashes) - k
@@ -469,6 +532,14 @@ class FleetResidency:
             if self._next_id > self._cap:
                 self._grow(self._next_id)
             self._name_run(start, hashes[k:])
+            fresh = hashes[k:]
+            try:
+                values = array("Q", cast(list[int], fresh))
+            except (TypeError, OverflowError):
+                self._mark(range(start, self._next_id), fresh)
+            else:
+                self._n64[start:self._next_id] = values
+                self._idstate[start:self._next_id] = b"\x01" * len(fresh)
         self._ids.update(zip(hashes, out))
         kinds = set(map(type, hashes))
         if kinds == {int}:
@@ -480,6 +551,16 @@ class FleetResidency:
             self._bytes_ids += nb
             self._int_ids += len(hashes) - nb
         return out
+
+    def _mark(self, ids: Iterable[int], hashes: list[BlockHash]) -> None:
+        """_idstate and _n64 for ids just named."""
+        state, n64 = self._idstate, self._n64
+        for i, h in zip(ids, hashes):
+            if isinstance(h, int) and 0 <= h < _U64:
+                n64[i] = h
+                state[i] = 1
+            else:
+                state[i] = 2
 
     def _hash_at(self, i: int) -> BlockHash:
         return self._chunks[i >> _SHIFT][i & _MASK]  # type: ignore[return-value]
@@ -525,6 +606,7 @@ class FleetResidency:
         h = self._hash_at(i)
         del self._ids[h]  # its chunk keeps the stale name until the id is reused
         self._free.append(i)
+        self._idstate[i] = 0
         if type(h) is bytes:
             self._bytes_ids -= 1
         else:
@@ -771,6 +853,7 @@ class FleetResidency:
     def _unsuspect(self, tier: _Tier, cell: _Cell, slot: int) -> None:
         cell.suspect -= 1
         self._suspect[slot] -= 1
+        self._stale_version += 1
         tier.suspect_entries -= 1
         if not tier.suspect_entries:
             self._realias(tier)
@@ -845,6 +928,7 @@ class FleetResidency:
             cell.suspect += fresh_suspect
             tier.suspect_entries += fresh_suspect
             self._suspect[slot] += fresh_suspect
+            self._stale_version += 1
             touched += ids
         if grp.u_held is not None and touched:
             if grp.u_trusted is grp.u_held:
@@ -870,6 +954,7 @@ class FleetResidency:
                     extra[key] = (0, t + u)
             for slot, cell in tier.cells.items():
                 self._suspect[slot] += cell.held - cell.suspect
+                self._stale_version += 1
                 cell.suspect = cell.held
                 cell.trusted = 0
             tier.suspect_entries = tier.entries
@@ -907,6 +992,7 @@ class FleetResidency:
         del tier.cells[slot]
         if suspect:
             self._suspect[slot] -= suspect
+            self._stale_version += 1
             tier.suspect_entries -= suspect
             if not tier.suspect_entries:
                 self._realias(tier)
@@ -1024,7 +1110,8 @@ class FleetResidency:
             slot_groups[slot] = tuple(sorted(mine))
         self._widths = [(g, list(ks.items())) for g, ks in sorted(widths.items())]
         self._slot_groups = slot_groups
-        self._templates = {s: dict.fromkeys(gs, 0) for s, gs in slot_groups.items()}
+        shared: dict[tuple[int, ...], dict[int, int]] = {}  # one template per set of groups (never handed out)
+        self._templates = {s: shared.setdefault(gs, dict.fromkeys(gs, 0)) for s, gs in slot_groups.items()}
         self._dirty = False
         return self._widths
 
@@ -1042,6 +1129,136 @@ class FleetResidency:
             if r is not None:
                 n = max(n, len(ids) - r)
         return [ids[:n] for ids in lists], n
+
+    def _runs(self, chain: tuple[BlockHash, ...]) -> tuple[list[tuple[int, int, int]], int] | None:
+        """The chain as runs (position, first id, length) of consecutive live
+        ids, cut after the last block anything holds, and that length; None
+        when a bytes block may be held in its int form (`_lookup` then).
+
+        Ids are handed out in the order hashes arrive, so a stored chain is a
+        few runs: one dict lookup per run, its names checked a chunk at a
+        time; after the first unknown block, one `isdisjoint` pass over the
+        rest, and a lookup per block only if that finds something."""
+        n_full = len(chain)
+        q64: array[int] | None = None  # the chain as ints of 64 bits, if it is
+        if self._int_ids and n_full:
+            try:
+                q64 = array("Q", cast(Sequence[int], chain))
+            except (TypeError, OverflowError):
+                if bytes in set(map(type, chain)):
+                    return None
+        get = self._ids.get
+        runs: list[tuple[int, int, int]] = []
+        j = 0
+        while j < n_full:
+            i = get(chain[j])
+            if i is None:
+                end = j + 1
+                for j in self._maybe_known(chain, end) if end < n_full else ():
+                    if j >= end and (i := get(chain[j])) is not None:
+                        length = self._run_length(chain, q64, j, i)
+                        runs.append((j, i, length))
+                        end = j + length
+                break
+            length = self._run_length(chain, q64, j, i)
+            runs.append((j, i, length))
+            j += length
+        if not runs:
+            return runs, 0
+        j, _, length = runs[-1]
+        return runs, j + length
+
+    def _run_length(self, chain: tuple[BlockHash, ...], q64: array[int] | None, j: int, i: int) -> int:
+        """How many blocks from chain[j] (whose id is i) have the ids i, i+1, ...:
+        live ids whose hashes equal the blocks (as the dict finds them). With
+        the chain as ints of 64 bits (q64), two arrays compared; else the
+        names, a tuple at a time."""
+        m = min(len(chain) - j, self._next_id - i)
+        state = self._idstate
+        if q64 is not None:
+            # ids of other hashes cannot equal these blocks: the run ends there
+            stop = [x for x in (state.find(0, i, i + m), state.find(2, i, i + m)) if x >= 0]
+            if stop:
+                m = max(1, min(stop) - i)
+            return 1 + _equal_prefix(q64, j + 1, self._n64, i + 1, m - 1)
+        d = state.find(0, i, i + m)
+        if d >= 0:
+            m = d - i
+        chunks = self._chunks
+        length = 1
+        while length < m:
+            a = i + length
+            off = a & _MASK
+            step = min(_CHUNK - off, m - length)
+            names = chunks[a >> _SHIFT]
+            part = names if step == _CHUNK else names[off:off + step]
+            mine = chain[j + length:j + length + step]
+            if mine != part:
+                return length + next(compress(count(), map(ne, mine, part)))
+            length += step
+        return length
+
+    def _maybe_known(self, chain: tuple[BlockHash, ...], start: int) -> Iterable[int]:
+        """The positions from `start` on whose blocks are known, in order
+        (`isdisjoint` first: a tail of unknown blocks is one pass in C)."""
+        rest = chain[start:]
+        if self._ids.keys().isdisjoint(rest):
+            return ()
+        return compress(count(start), map(self._ids.__contains__, rest))
+
+    def _run_segments(self, src: array[int], runs: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+        """`_segments` of one column read along id runs: (starts, sids). Each
+        run is a slice of the column: one set when it equals that set repeated
+        (a memcmp); otherwise XOR-ed with itself shifted by one entry (as one
+        big int), a non-zero entry where the next one differs."""
+        starts: list[int] = []
+        sids: list[int] = []
+        last = -1
+        end = 0
+        size = src.itemsize
+        for j, i, length in runs:
+            if j > end and last:
+                starts.append(end)
+                sids.append(0)
+                last = 0
+            end = j + length
+            part = src[i:end - j + i]
+            v = part[0]
+            if part == array(part.typecode, (v,)) * length:
+                if v != last:
+                    starts.append(j)
+                    sids.append(v)
+                    last = v
+                continue
+            x = int.from_bytes(part, "little")  # entry t is bytes t*size.. whatever the machine's order
+            x = (x ^ (x >> (8 * size))) & ((1 << (8 * size * (length - 1))) - 1)
+            changes = x.to_bytes(length * size, "little")
+            offs = [0]
+            if len(changes) - changes.count(0) <= _FEW:  # a few changes: one search each
+                at = 0
+                search = _NONZERO.search
+                while found := search(changes, at):
+                    t = found.start() // size + 1  # a new set from entry t
+                    offs.append(t)
+                    at = t * size
+            else:  # many: one byte per entry (the OR of its bytes), all at once
+                for k in range(1, size):
+                    x |= x >> (8 * k)
+                offs += compress(count(1), x.to_bytes(length * size, "little")[::size])
+            vs = list(map(part.__getitem__, offs))
+            if vs[0] == last:
+                del offs[0], vs[0]
+            starts += map(add, offs, repeat(j)) if j else offs
+            sids += vs
+            last = sids[-1]
+        return starts, sids
+
+    @staticmethod
+    def _run_ids(runs: list[tuple[int, int, int]], n: int) -> list[int]:
+        ids = [0] * n
+        for j, i, length in runs:
+            ids[j:j + length] = range(i, i + length)
+        return ids
 
     def _column(self, group: int, id_lists: list[list[int]], media: Collection[str] | None,
                 include_suspect: bool) -> tuple[list[int] | None, bool]:
@@ -1067,29 +1284,63 @@ class FleetResidency:
         n_full = len(chain)
         widths = self._masks()
         ans = _Answer()
-        groups: list[tuple[int, int, list[tuple[int, list[int], list[int]]]]] = []
+        groups: list[tuple[int, int, list[tuple[int, list[int], list[int]]],
+                          list[tuple[int, list[int], list[int], list[int] | None]], int]] = []
         levels: list[list[tuple[int, int]]] = []
         cons_all = 0
         id_lists: list[list[int]] | None = None
+        runs: list[tuple[int, int, int]] | None = None
+        looked = False
         n = 0
+        S = self._S
         for group, ks in widths:
             masks = [(k, m & candidates) for k, m in ks if m & candidates]
             if not masks:
                 continue
-            if id_lists is None:
-                id_lists, n = self._lookup(chain)
-            col, sids = self._column(group, id_lists, media, include_suspect) if n else (None, False)
-            seg_starts, seg_vals = _segments(col, n, self._S if sids else None)
+            if not looked:
+                looked = True
+                got = self._runs(chain if type(chain) is tuple else tuple(chain))
+                if got is None:
+                    id_lists, n = self._lookup(chain)
+                else:
+                    runs, n = got
+            grp = self._groups.get(group)
+            dense: Callable[[], list[int]] | None = None
+            # the segments' holders: sids (seg_sets is S) or bitsets (seg_sets None)
+            seg_sets: list[int] | None = None
+            if runs is not None and n and grp is not None and len(srcs := grp.sources(media, include_suspect)) == 1:
+                seg_starts, seg_x = self._run_segments(srcs[0], runs)
+                seg_sets = S
+                dense = partial(_dense_runs, srcs[0], runs, n, S)
+            else:
+                if runs is not None and id_lists is None:
+                    id_lists = [self._run_ids(runs, n)]
+                col, sids = self._column(group, id_lists, media, include_suspect) if n else (None, False)  # type: ignore[arg-type]
+                seg_starts, seg_x = _segments(col, n, None)
+                if sids:
+                    seg_sets = S
+                if col is not None:
+                    dense = partial(_dense_col, col, S if sids else None)
+            seg_vals: list[int] | None = None
             entries = []
+            points = []
             merged: dict[int, int] = {}
             cons = 0
             for k, m in masks:
-                starts, vals = _pieces(seg_starts, seg_vals, n, n_full, k, col, self._S if sids else None)
-                entries.append((m, starts, vals))
                 cons |= m
-                for value, bits in _levels(starts, vals, n_full, m):
+                if k == 1:
+                    # the block itself: read the segments where asked, no pieces
+                    points.append((m, seg_starts, seg_x, seg_sets))
+                    lv = _levels_points(seg_starts, seg_x, seg_sets, n, n_full, m)
+                else:
+                    if seg_vals is None:
+                        seg_vals = seg_x if seg_sets is None else list(map(seg_sets.__getitem__, seg_x))
+                    starts, vals = _pieces(seg_starts, seg_vals, n, n_full, k, dense)
+                    entries.append((m, starts, vals))
+                    lv = _levels(starts, vals, n_full, m)
+                for value, bits in lv:
                     merged[value] = merged.get(value, 0) | bits
-            groups.append((group, candidates & ~cons, entries))
+            groups.append((group, candidates & ~cons, entries, points, n))
             lv = sorted(merged.items(), reverse=True)
             levels.append(lv)
             ans.limits.append((group, lv))
@@ -1132,13 +1383,24 @@ class FleetResidency:
                 continue
             ok = pending
             lo = 0
-            for _, free, entries in groups:
+            for _, free, entries, points, n in groups:
                 allowed = free
                 for m, starts, vals in entries:
                     j = bisect_right(starts, p) - 1
                     allowed |= vals[j] & m
                     if starts[j] > lo:
                         lo = starts[j]
+                for m, seg_starts, seg_x, seg_sets in points:
+                    # the piece of p is the segment of block p - 1 (after n: nobody)
+                    if p > n:
+                        if n + 1 > lo:
+                            lo = n + 1
+                        continue
+                    j = bisect_right(seg_starts, p - 1) - 1
+                    x = seg_x[j]
+                    allowed |= (x if seg_sets is None else seg_sets[x]) & m
+                    if seg_starts[j] + 1 > lo:
+                        lo = seg_starts[j] + 1
                 ok &= allowed
             if ok:
                 ans.blocks.append((p, ok))
@@ -1163,7 +1425,7 @@ class FleetResidency:
                         d[group] = v
         return blocks, limits
 
-    def _order(self, include_unwatched: bool) -> tuple[list[int], list[str], list[int], list[dict[int, int]]]:
+    def _order(self, include_unwatched: bool) -> _Order:
         self._masks()
         got = self._orders.get(include_unwatched)
         if got is None:
@@ -1171,33 +1433,84 @@ class FleetResidency:
             slots = [s for s in self._keys if include_unwatched or w & _BITS[s]]
             keys = [self._keys[s] for s in slots]
             empty: dict[int, int] = {}
-            got = (slots, [k.worker for k in keys], [k.dp_rank for k in keys],
-                   [self._templates.get(s, empty) for s in slots])
+            templates = [self._templates.get(s, empty) for s in slots]
+            by_template: dict[int, tuple[dict[int, int], int]] = {}
+            for s, t in zip(slots, templates):
+                had = by_template.get(id(t), (t, 0))
+                by_template[id(t)] = (t, had[1] | _BITS[s])
+            got = _Order(slots, [k.worker for k in keys], [k.dp_rank for k in keys], templates,
+                         dict(zip(slots, count())), slots == list(range(len(slots))), list(by_template.values()),
+                         [-1, []])
             self._orders[include_unwatched] = got
+        if got.stale[0] != self._stale_version:
+            got.stale[:] = [self._stale_version, list(map(truth, map(self._suspect.__getitem__, got.slots)))]
         return got
 
     def longest_prefix(self, chain: Sequence[BlockHash], *, media: Collection[str] | None = None,
                        include_suspect: bool = False, include_unwatched: bool = False,
                        skip_workers: Collection[str] = ()) -> list[PrefixMatch]:
         """`ResidencyIndex.longest_prefix`: every candidate worker rank, best first."""
-        slots, workers, ranks, templates = self._order(include_unwatched)
+        order = self._order(include_unwatched)
+        slots, workers, ranks, templates, pos = order.slots, order.workers, order.ranks, order.templates, order.pos
+        ident = order.ident
+        stale: list[bool] = order.stale[1]
         candidates = self._all if include_unwatched else self._watching
-        if skip_workers:
-            skip = set(skip_workers)
+        skip = {w for w in skip_workers if w in self._worker_bits} if skip_workers else None
+        if skip:
             for w in skip:
-                candidates &= ~self._worker_bits.get(w, 0)
+                candidates &= ~self._worker_bits[w]
             keep = [j for j, w in enumerate(workers) if w not in skip]
             slots = [slots[j] for j in keep]
             workers = [workers[j] for j in keep]
             ranks = [ranks[j] for j in keep]
             templates = [templates[j] for j in keep]
-        blocks, limits = self._per_slot(self.answer(chain, candidates, media, include_suspect))
-        out = list(map(PrefixMatch, workers, ranks, map(blocks.get, slots, repeat(0)),
-                       map(truth, map(self._suspect.__getitem__, slots)),
-                       map(dict, map(limits.get, slots, templates))))
-        if blocks:
-            out.sort(key=_BLOCKS, reverse=True)  # stable: ties keep the index's order
-        return out
+            stale = [stale[j] for j in keep]
+            pos = dict(zip(slots, count()))
+            ident = False
+        ans = self.answer(chain, candidates, media, include_suspect)
+        # Per position in the index's order: blocks, and the limits to copy
+        # (the shared template unless a group's limit is not 0).
+        depth = [0] * len(slots) if ans.blocks else []
+        first: list[int] = []  # positions with blocks > 0: deepest first, ties in order
+        for p, bits in ans.blocks:
+            at = sorted(_slots(bits) if ident else map(pos.__getitem__, _slots(bits)))
+            for q in at:
+                depth[q] = p
+            first += at
+        blocks: Iterable[int] = depth if first else repeat(0)
+        classes = _limit_classes(ans, candidates)
+        limits: Iterable[dict[int, int]] = templates
+        if not classes:
+            pass
+        elif ident and len(order.by_template) == 1 and len(classes) < 256:
+            # one template: per position the number of its class (0: none), as bytes
+            t = order.by_template[0][0]
+            table = [t]
+            which = 0
+            for c, (bits, assign) in enumerate(classes, 1):
+                d = t.copy()
+                d.update(assign)
+                table.append(d)
+                which += c * int.from_bytes(_flags(bits), "little")
+            limits = map(table.__getitem__, which.to_bytes(len(slots), "little"))
+        else:
+            limits = templates.copy()
+            for bits, assign in classes:
+                for t, mine in order.by_template:
+                    if x := bits & mine:
+                        d = t.copy()
+                        d.update(assign)
+                        for q in _slots(x) if ident else map(pos.__getitem__, _slots(x)):
+                            limits[q] = d
+        out = list(map(PrefixMatch, workers, ranks, blocks, stale, map(dict.copy, limits)))
+        if not first:
+            return out
+        rest = bytearray(b"\x01") * len(out)
+        for q in first:
+            rest[q] = 0
+        best = list(map(out.__getitem__, first))
+        best += compress(out, rest)
+        return best
 
     def match(self, slot: int, chain: Sequence[BlockHash], media: Collection[str] | None = None,
               include_suspect: bool = False) -> PrefixMatch:
@@ -1240,8 +1553,35 @@ def _segments(col: list[int] | None, n: int, sets: list[int] | None) -> tuple[li
     return starts, list(map(sets.__getitem__, map(col.__getitem__, starts)))
 
 
+def _equal_prefix(a: array[int], a0: int, b: array[int], b0: int, n: int) -> int:
+    """How many of a[a0:a0+n] equal b[b0:b0+n] from the start (slices compared, halving)."""
+    if n <= 0 or a[a0:a0 + n] == b[b0:b0 + n]:
+        return max(n, 0)
+    lo, hi = 0, n  # equal before lo; a difference before hi
+    while hi - lo > 16:
+        mid = (lo + hi) >> 1
+        if a[a0 + lo:a0 + mid] == b[b0 + lo:b0 + mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[a0 + lo] == b[b0 + lo]:
+        lo += 1
+    return lo
+
+
+def _dense_col(col: list[int], sets: list[int] | None) -> list[int]:
+    return col if sets is None else list(map(sets.__getitem__, col))
+
+
+def _dense_runs(src: array[int], runs: list[tuple[int, int, int]], n: int, sets: list[int]) -> list[int]:
+    col = [0] * n
+    for j, i, length in runs:
+        col[j:j + length] = src[i:i + length]
+    return list(map(sets.__getitem__, col))
+
+
 def _pieces(seg_starts: list[int], seg_vals: list[int], n: int, n_full: int, k: int | None,
-            col: list[int] | None, sets: list[int] | None) -> tuple[list[int], list[int]]:
+            dense: Callable[[], list[int]] | None) -> tuple[list[int], list[int]]:
     """The slots a width allows at each p in 0..n_full, as pieces: allowed(p)
     = vals[j] for starts[j] <= p < starts[j+1]. allowed(p) is the AND of the
     column over blocks max(0, p-k)..p-1 (k None: from block 0)."""
@@ -1265,8 +1605,8 @@ def _pieces(seg_starts: list[int], seg_vals: list[int], n: int, n_full: int, k: 
         elif k == 1:
             starts += map(add, seg_starts, repeat(1))
             vals += seg_vals
-        elif col is not None and len(seg_starts) * min(k, len(seg_starts)) > 4 * n:
-            _window_dense(col if sets is None else list(map(sets.__getitem__, col)), n, k, starts, vals)
+        elif dense is not None and len(seg_starts) * min(k, len(seg_starts)) > 4 * n:
+            _window_dense(dense(), n, k, starts, vals)
         else:
             _window_runs(seg_starts, seg_vals, n, k, starts, vals)
     if n < n_full:
@@ -1327,6 +1667,29 @@ def _window_dense(col: list[int], n: int, k: int, starts: list[int], vals: list[
     seg_starts, seg_vals = _segments(seen, n, None)
     starts += map(add, seg_starts, repeat(1))
     vals += seg_vals
+
+
+def _levels_points(seg_starts: list[int], seg_x: list[int], sets: list[int] | None, n: int, n_full: int,
+                   mask: int) -> list[tuple[int, int]]:
+    """`_levels` of the width 1 (allowed(p) = the holders of block p - 1),
+    from the segments: each holder set counts at its last segment only, whose
+    last p is the next segment's start (or n)."""
+    if not seg_starts:
+        return [(n_full, mask)] if not n_full else []
+    out = []
+    acc = 0
+    last = len(seg_x) - 1
+    back = seg_x[::-1]
+    for x in dict.fromkeys(back):  # distinct holders, by last segment, deepest first
+        if not x:
+            continue
+        v = x if sets is None else sets[x]
+        new = v & ~acc & mask
+        acc |= v
+        if new:
+            j = last - back.index(x)
+            out.append((seg_starts[j + 1] if j < last else n, new))
+    return out
 
 
 def _levels(starts: list[int], vals: list[int], n_full: int, mask: int) -> list[tuple[int, int]]:

@@ -25,8 +25,13 @@ from bridge.contract.residency.hashes import lookup_keys
 from bridge.contract.residency.views import GroupResidency, Table, WorkerView
 
 
-class PrefixMatch(msgspec.Struct, frozen=True):
-    """One worker's answer for one request."""
+class PrefixMatch(msgspec.Struct, frozen=True, gc=False):
+    """One worker's answer for one request.
+
+    Untracked by the cyclic garbage collector (`gc=False`): a query makes one
+    per worker of the fleet, and tracked they would set off collections that
+    walk the whole index; its fields (strings, ints, a dict of ints) cannot
+    form a cycle with it."""
 
     worker: str
     dp_rank: int
