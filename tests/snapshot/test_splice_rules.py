@@ -65,3 +65,18 @@ def test_a_stream_that_rolled_past_a_snapshot_marks_the_rank() -> None:
                           SnapshotMissing("w", 1, "none")]
     assert plan.start_seq == 20
     assert stream_opening({("w", 0): SnapshotMissing("w", 0, "none")}, first_seq=20).start_seq is None
+
+
+def test_a_partial_views_answers_are_stale() -> None:
+    """A rank with no snapshot: routers see its answers flagged stale, from
+    every query path, until a record resets it."""
+    from bridge.contract.residency import ResidencyIndex
+
+    index = ResidencyIndex()
+    index.apply(msg([stored([hb(1), hb(2)])], seq=1))
+    assert [m.stale for m in index.longest_prefix([hb(1), hb(2)])] == [False]  # caches the flags
+    index.apply(SnapshotMissing("w", 0, "no bridge answers"))
+    assert [m.stale for m in index.longest_prefix([hb(1), hb(2)])] == [True]
+    assert index.match("w", 0, [hb(1)]).stale  # type: ignore[union-attr]
+    index.apply(record("start", reason="fresh", epoch=2))
+    assert [m.stale for m in index.longest_prefix([hb(1)])] == [False]
