@@ -3,8 +3,10 @@ nats-py would make of the same subject, reply and headers."""
 
 from __future__ import annotations
 
-from bridge.contract import GroupMessage, WorkerRecord
-from bridge.sink.encode import MessageEncoder, Outgoing, hpub_frames
+import msgspec
+
+from bridge.contract import BlockRemoved, GroupMessage, WorkerRecord
+from bridge.sink.encode import KEPT_BUFFER_BYTES, MessageEncoder, Outgoing, hpub_frames
 from bridge.sink.subjects import SubjectBook
 
 
@@ -56,3 +58,17 @@ def test_hpub_frames_with_and_without_reply_subjects() -> None:
     replied = _parse_frames(hpub_frames(msgs, ["_INBOX.x.0", "_INBOX.x.1", "_INBOX.x.2"]))
     assert [args for args, _, _ in replied] == [[book.group(2), f"_INBOX.x.{i}"] for i in range(3)]
     assert [headers for _, headers, _ in replied] == [m.headers for m in msgs]
+
+
+def test_payloads_are_each_message_alone_whatever_came_before() -> None:
+    """Group payloads go through one kept buffer: a small message after a big
+    one carries none of its bytes, and a buffer past the bound is let go."""
+    book = SubjectBook("kv", "w", 0)
+    for fmt, codec in (("msgpack", msgspec.msgpack), ("json", msgspec.json)):
+        enc = MessageEncoder(fmt)
+        big = _group("mamba", "state", 1)
+        big.events = [BlockRemoved([b"x" * 32] * 64, "GPU", 2)] * (KEPT_BUFFER_BYTES // 2000)
+        for msg in (_group("mamba", "state", 0), big, _group("mamba", "state", 2), big):
+            out = enc.group(msg, book, "w:0:9")
+            assert type(out.payload) is bytes and out.payload == codec.encode(msg)
+        assert len(enc._buffer) == 0  # the last one was past the bound: not kept

@@ -197,7 +197,7 @@ class Normalizer:
         for event in rest:
             if event.__class__ is cleared:
                 if part and not slices:
-                    # nothing stored or removed since the last clear: it says it again
+                    # a clear came (part > 0), nothing stored or removed since: this says it again
                     stats.dropped["repeated_clear"] += 1
                     continue
                 if budget == 0:
