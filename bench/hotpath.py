@@ -13,7 +13,9 @@ Two figures per cell:
             rounds is subtracted, so imports and set-up do not count
 
 `--ref-src TREE` adds the same cells for another source tree (its root), e.g.
-a git worktree of the commit before a change. Figures go to
+a git worktree of the commit before a change. `--stages` also counts the
+instructions of each stage: runs that stop after decode and after normalize,
+each stage's figure the difference from the run before. Figures go to
 bench/results/hotpath.json.
 """
 
@@ -48,6 +50,7 @@ from bridge.sink.encode import MessageEncoder
 from bridge.sink.subjects import SubjectBook
 
 path, size, rounds, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+upto = int(sys.argv[5])  # stages run: 1 decode, 2 and normalize, 3 and encode
 pools = msgspec.msgpack.decode(open(path, "rb").read())
 pool = next(p for p in pools if p[0] == size)
 payloads, events = pool[1], sum(pool[2])
@@ -61,8 +64,10 @@ stats = NormalizeStats()
 def one_round():
     for seq, payload in enumerate(payloads):
         batch = decoder.decode(payload)
+        if upto == 1:
+            continue
         for item in normalizer.normalize(ident, seq, batch.ts, batch.events, 0.0, stats):
-            if hasattr(item, "events"):
+            if upto == 3 and hasattr(item, "events"):
                 encoder.group(item, subjects, "bench:0:1")
         stats.dropped.clear()
         stats.transformed.clear()
@@ -77,9 +82,12 @@ print(json.dumps({"events": events * rounds, "times": times}))
 """
 
 
+STAGES = ("decode", "normalize", "encode")
+
+
 def run_child(tree: Path, traffic: Path, size: int, rounds: int, repeats: int,
-              callgrind: bool = False) -> tuple[dict[str, Any], int | None]:
-    argv = [sys.executable, "-c", CHILD, str(traffic), str(size), str(rounds), str(repeats)]
+              callgrind: bool = False, upto: int = len(STAGES)) -> tuple[dict[str, Any], int | None]:
+    argv = [sys.executable, "-c", CHILD, str(traffic), str(size), str(rounds), str(repeats), str(upto)]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if callgrind:
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
@@ -92,13 +100,33 @@ def run_child(tree: Path, traffic: Path, size: int, rounds: int, repeats: int,
     return out, ir
 
 
-def instructions_per_event(tree: Path, traffic: Path, size: int, rounds: int) -> float | None:
-    """(Ir with `rounds` rounds - Ir with none) / events."""
+def instructions_per_event(tree: Path, traffic: Path, size: int, rounds: int,
+                           upto: int = len(STAGES)) -> float | None:
+    """(Ir with `rounds` rounds of the first `upto` stages - Ir with none) / events."""
     _, base = run_child(tree, traffic, size, 0, 1, callgrind=True)
-    out, total = run_child(tree, traffic, size, rounds, 1, callgrind=True)
+    out, total = run_child(tree, traffic, size, rounds, 1, callgrind=True, upto=upto)
     if base is None or total is None or not out["events"]:
         return None
     return (total - base) / out["events"]
+
+
+def instructions_by_stage(tree: Path, traffic: Path, size: int, rounds: int) -> dict[str, float] | None:
+    """Ir/event of each stage: the runs up to it and up to the one before, subtracted."""
+    upto = [instructions_per_event(tree, traffic, size, rounds, n) for n in range(1, len(STAGES) + 1)]
+    if any(ir is None for ir in upto):
+        return None
+    cumulative = [0.0, *(ir for ir in upto if ir is not None)]
+    return {stage: cumulative[i + 1] - cumulative[i] for i, stage in enumerate(STAGES)}
+
+
+def print_stages(cells: dict[str, Any], base: dict[str, int]) -> None:
+    """Ir/event per stage and cell, and the base cell's over each (as above: above 1 is fewer)."""
+    print(f"{'Ir/event':<12}" + "".join(f" {stage:>9}   x map" for stage in STAGES))
+    for name, cell in cells.items():
+        stages = cell.get("ir_by_stage")
+        if stages:
+            print(f"{name:<12}" + "".join(f" {stages[s]:>9} {base[s] / stages[s]:>7.3f}" for s in STAGES))
+    print("(per stage, x map as above: the base cell's Ir/event over this cell's; above 1 is fewer instructions)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="Interleaved wall-time repeats.")
     ap.add_argument("--rounds", type=int, default=3, help="Passes over the traffic pool per repeat.")
     ap.add_argument("--skip-callgrind", action="store_true")
+    ap.add_argument("--stages", action="store_true", help="Also Ir/event per stage (three callgrind runs a cell).")
     ap.add_argument("--smoke", action="store_true", help="Tiny counts, no callgrind: only that it runs.")
     ap.add_argument("--out", help="JSON output (default bench/results/hotpath.json).")
     args = ap.parse_args(argv)
@@ -136,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                 round(x / events[name] * 1e9, 1) for x in times[name]]}
             if callgrind:
                 t, e = name.split("-")
-                ir = instructions_per_event(trees[t], traffic[e], args.size, 1)
+                if args.stages:
+                    by_stage = instructions_by_stage(trees[t], traffic[e], args.size, 1)
+                    ir = None if by_stage is None else sum(by_stage.values())
+                    result["cells"][name]["ir_by_stage"] = by_stage and {k: round(v) for k, v in by_stage.items()}
+                else:
+                    ir = instructions_per_event(trees[t], traffic[e], args.size, 1)
                 result["cells"][name]["ir_per_event"] = None if ir is None else round(ir)
     base = result["cells"].get("ref-map") or result["cells"]["this-map"]
     print(f"hot path (decode, normalize, encode), {args.size}-event batches; ns/event: median of {repeats}")
@@ -150,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<12} {cell['ns_per_event']:>9.0f} {ns_ratio:>7.3f} "
               f"{'-' if ir is None else ir:>9} {'-' if ir_ratio is None else format(ir_ratio, '.3f'):>7}")
     print("(x map: the map-form cell of the reference tree, else of this one, over this cell; above 1 is faster)")
+    if base.get("ir_by_stage"):
+        print_stages(result["cells"], base["ir_by_stage"])
     out_path = Path(args.out) if args.out else RESULTS / "hotpath.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))

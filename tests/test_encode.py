@@ -4,12 +4,13 @@ framing gives records."""
 
 from __future__ import annotations
 
+import msgspec
 import structlog
 
-from bridge.contract import GroupMessage, WorkerRecord
+from bridge.contract import BlockRemoved, GroupMessage, WorkerRecord
 from bridge.normalize.normalizer import StreamIdentity
 from bridge.observe.metrics import Metrics
-from bridge.sink.encode import MessageEncoder, Outgoing, hpub_frames
+from bridge.sink.encode import KEPT_BUFFER_BYTES, MessageEncoder, Outgoing, hpub_frames
 from bridge.sink.framing import Framing
 from bridge.sink.subjects import SubjectBook
 
@@ -88,3 +89,17 @@ def test_each_bridge_process_names_its_own_start_and_stop() -> None:
     gaps = [f.record("gap", gap=(3, 4), reason="lost").messages[0].headers["Nats-Msg-Id"]
             for f in (_framing([5.0]), _framing([6.0]))]
     assert gaps == ["w:0:9:3-4:worker:gap"] * 2
+
+
+def test_payloads_are_each_message_alone_whatever_came_before() -> None:
+    """Group payloads go through one kept buffer: a small message after a big
+    one carries none of its bytes, and a buffer past the bound is let go."""
+    book = SubjectBook("kv", "w", 0)
+    for fmt, codec in (("msgpack", msgspec.msgpack), ("json", msgspec.json)):
+        enc = MessageEncoder(fmt)
+        big = _group("mamba", "state", 1)
+        big.events = [BlockRemoved([b"x" * 32] * 64, "GPU", 2)] * (KEPT_BUFFER_BYTES // 2000)
+        for msg in (_group("mamba", "state", 0), big, _group("mamba", "state", 2), big):
+            out = enc.group(msg, book, "w:0:9")
+            assert type(out.payload) is bytes and out.payload == codec.encode(msg)
+        assert len(enc._buffer) == 0  # the last one was past the bound: not kept

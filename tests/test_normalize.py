@@ -12,6 +12,7 @@ import pytest
 
 from bridge.contract import MAX_GROUP_ID, GroupMessage, WorkerRecord, decoder_for, parse_group_kind
 from bridge.decode.decoder import BatchDecoder
+from bridge.normalize import normalizer as normalizer_module
 from bridge.normalize.normalizer import (
     BAD_GROUP,
     MAX_EVENTS_PER_BATCH,
@@ -112,6 +113,29 @@ def test_a_restarted_publisher_is_read_afresh() -> None:
     run.normalizer.kinds.forget()  # what the pipeline does on a new epoch
     got = groups(run.batch([stored_020([H[1]], 0)]))
     assert (got[0].kind, got[0].kind_source) == ("full_attention", "legacy")
+
+
+def test_remembered_decisions_follow_the_kind_book(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The normalizer keeps what each slice resolved to across batches: a
+    restart (the book forgets) makes it learn and decide again, and a
+    publisher inventing kinds fills at most MAX_DECISIONS of them."""
+    monkeypatch.setattr(normalizer_module, "MAX_DECISIONS", 8)
+    run = Run()
+    for _ in range(2):
+        got = groups(run.batch([stored_map([H[0]], 1, "sliding_window")]))
+        assert (got[1].kind, got[1].family, got[1].kind_source) == ("sliding_window", "window", "event")
+    run.normalizer.kinds.forget()
+    # the same kind again: learned again, though it was decided before the restart
+    got = groups(run.batch([stored_map([H[0]], 1, "sliding_window")]))
+    assert (got[1].kind, got[1].kind_source) == ("sliding_window", "event")
+    assert run.normalizer.kinds.known() == {1: "sliding_window"}
+    run.normalizer.kinds.forget()
+    got = groups(run.batch([stored_map([H[1]], 1, "mamba")]))
+    assert (got[1].kind, got[1].family, got[1].kind_source) == ("mamba", "state", "event")
+    for n in range(40):
+        got = groups(run.batch([stored_map([H[2]], 1, f"kind_{n}")]))
+        assert (got[1].kind, got[1].kind_source) == ("mamba", "learned")
+    assert len(run.normalizer._decided) <= 8
 
 
 def test_events_with_neither_group_nor_kind_are_legacy() -> None:

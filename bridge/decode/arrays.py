@@ -53,7 +53,8 @@ class ArrayRelayBlockStored(RelayBlockStored, array_like=True, tag="BlockStored"
     locality: Any = None
     ownership: Any = None
     session_id: Any = None
-    lookahead_token_ids: Any = None
+    # RelayBlockStored's default: left alone when the array stops short of it
+    lookahead_token_ids: Any = NIL_RAW
     placeholder: Any = False
 
 
@@ -105,27 +106,38 @@ def as_map_events(events: list[Any], retype: bool | None = None) -> list[Event]:
     place; by the class swap where `RETYPE` (the default) says it works."""
     if not (RETYPE if retype is None else retype):
         return [_rebuilt(event) for event in events]
-    stored, relay_stored, removed = ArrayBlockStored, ArrayRelayBlockStored, ArrayBlockRemoved
-    for i, event in enumerate(events):
-        cls = type(event)
+    stored, relay_stored, removed, nil = ArrayBlockStored, ArrayRelayBlockStored, ArrayBlockRemoved, NIL_RAW
+    for event in events:
+        cls = event.__class__
         if cls is relay_stored:
-            event.locality = event.ownership = event.session_id = None
-            event.lookahead_token_ids = NIL_RAW
-            event.placeholder = False
-            if event.extra_keys == NIL_RAW:
+            # Setting a field costs six times looking at it: only what an
+            # over-long array filled is blanked.
+            if (event.locality is not None or event.ownership is not None or event.session_id is not None
+                    or event.lookahead_token_ids is not nil or event.placeholder is not False):
+                _blank_store(event, nil)
+            if event.extra_keys == nil:
                 # nil that stood only to reach a later position: relayed as left out
-                event.extra_keys = NIL_RAW
+                event.extra_keys = nil
             event.__class__ = RelayBlockStored
         elif cls is stored:
-            event.locality = event.ownership = event.session_id = event.lookahead_token_ids = None
-            event.placeholder = False
+            if (event.locality is not None or event.ownership is not None or event.session_id is not None
+                    or event.lookahead_token_ids is not None or event.placeholder is not False):
+                _blank_store(event, None)
             event.__class__ = BlockStored
         elif cls is removed:
-            event.locality = event.ownership = None
+            if event.locality is not None or event.ownership is not None:
+                event.locality = event.ownership = None
             event.__class__ = BlockRemoved
         else:
-            events[i] = CLEARED
+            event.__class__ = AllBlocksCleared
     return events
+
+
+def _blank_store(event: Any, lookahead: Any) -> None:
+    """The fields no array release sent, as the map struct's defaults."""
+    event.locality = event.ownership = event.session_id = None
+    event.lookahead_token_ids = lookahead
+    event.placeholder = False
 
 
 def _retype_works() -> bool:

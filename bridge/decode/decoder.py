@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import msgspec
@@ -27,6 +28,9 @@ _ARRAY_OR_NIL_HEADS = _ARRAY_HEADS | {0xC0}
 _MAP_HEADS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
 _EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
+# The first byte of a buffer, as a 1-tuple: half what a memoryview costs, and
+# the relay looks at one per store. A decoded Raw is never empty.
+_HEAD = struct.Struct("B").unpack_from
 
 
 class DecodedBatch(msgspec.Struct, gc=False):
@@ -62,8 +66,9 @@ class BatchDecoder:
         self._relay = relay
         maps: type[KVEventBatch] | type[RelayEventBatch] = RelayEventBatch if relay else KVEventBatch
         arrays: type[ArrayEventBatch] | type[ArrayRelayEventBatch] = ArrayRelayEventBatch if relay else ArrayEventBatch
-        self._maps = msgspec.msgpack.Decoder(maps)
-        self._arrays = msgspec.msgpack.Decoder(arrays)
+        # The form this publisher sent last is tried first: a process never changes it.
+        self._first: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(maps)
+        self._second: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(arrays)
         self._arrays_first = False
         self._raw_batch = msgspec.msgpack.Decoder(RawEventBatch)
         self._map_event = msgspec.msgpack.Decoder(RelayEvent if relay else Event)  # type: ignore[arg-type]
@@ -72,41 +77,23 @@ class BatchDecoder:
         self._any = msgspec.msgpack.Decoder()
 
     def decode(self, payload: bytes) -> DecodedBatch:
-        if self._arrays_first:
-            batch = self._as_arrays(payload)
-            if batch is None:
-                batch = self._as_maps(payload)
-                if batch is not None:
-                    self._arrays_first = False
-        else:
-            batch = self._as_maps(payload)
-            if batch is None:
-                batch = self._as_arrays(payload)
-                if batch is not None:
-                    self._arrays_first = True
-        if batch is None:
-            return self._decode_slowly(payload)
+        try:
+            batch = self._first.decode(payload)
+        except _DECODE_ERRORS:
+            # RecursionError: msgspec's answer to absurd nesting; hostile, not fatal.
+            try:
+                batch = self._second.decode(payload)
+            except _DECODE_ERRORS:
+                return self._decode_slowly(payload)
+            self._first, self._second = self._second, self._first
+            self._arrays_first = not self._arrays_first
+        events = as_map_events(batch.events) if self._arrays_first else batch.events
         if not math.isfinite(batch.ts):
             # JSON has no NaN or infinity: consumers could not read the batch back.
             raise BatchDecodeError("bad_batch", f"non-finite ts {batch.ts!r}")
-        if self._relay and not _raw_fields_fit(batch.events):
+        if self._relay and not _raw_fields_fit(events):
             return self._decode_slowly(payload)
-        return batch
-
-    def _as_maps(self, payload: bytes) -> DecodedBatch | None:
-        try:
-            batch = self._maps.decode(payload)
-        except _DECODE_ERRORS:
-            # RecursionError: msgspec's answer to absurd nesting; hostile, not fatal.
-            return None
-        return DecodedBatch(batch.ts, batch.events, batch.data_parallel_rank, [])  # type: ignore[arg-type]
-
-    def _as_arrays(self, payload: bytes) -> DecodedBatch | None:
-        try:
-            batch = self._arrays.decode(payload)
-        except _DECODE_ERRORS:
-            return None
-        return DecodedBatch(batch.ts, as_map_events(batch.events), batch.data_parallel_rank, [])
+        return DecodedBatch(batch.ts, events, batch.data_parallel_rank, [])
 
     def _decode_slowly(self, payload: bytes) -> DecodedBatch:
         try:
@@ -131,7 +118,7 @@ class BatchDecoder:
 
     def _decode_event(self, item: msgspec.Raw) -> Event:
         """One event in whichever form it came; raises what msgspec raises."""
-        head = memoryview(item)[0] if len(item) else -1
+        head = _HEAD(item)[0] if len(item) else -1
         if head in _ARRAY_HEADS:
             return as_map_events([self._array_event.decode(item)])[0]
         try:
@@ -162,14 +149,15 @@ def _raw_fields_fit(events: list[Event]) -> bool:
     publisher's word: checking each would cost what relaying them undecoded
     saves). The two optional fields are mostly left out: then they are the
     default object itself, and no buffer is looked at."""
-    arrays, optional, nil = _ARRAY_HEADS, _ARRAY_OR_NIL_HEADS, NIL_RAW
+    arrays, optional, nil, relay, head = _ARRAY_HEADS, _ARRAY_OR_NIL_HEADS, NIL_RAW, RelayBlockStored, _HEAD
     for event in events:
-        if type(event) is RelayBlockStored:
-            if memoryview(event.token_ids)[0] not in arrays:  # type: ignore[arg-type]
+        if event.__class__ is relay:
+            if head(event.token_ids)[0] not in arrays:
                 return False
-            extra, lookahead = event.extra_keys, event.lookahead_token_ids
-            if extra is not nil and memoryview(extra)[0] not in optional:  # type: ignore[arg-type]
+            extra = event.extra_keys
+            if extra is not nil and head(extra)[0] not in optional:
                 return False
-            if lookahead is not nil and memoryview(lookahead)[0] not in optional:  # type: ignore[arg-type]
+            lookahead = event.lookahead_token_ids
+            if lookahead is not nil and head(lookahead)[0] not in optional:
                 return False
     return True

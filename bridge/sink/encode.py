@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 
 from bridge.contract import (
@@ -19,6 +21,9 @@ from bridge.contract import (
 )
 from bridge.contract.msgid import group_id
 from bridge.sink.subjects import SubjectBook
+
+# The largest message whose buffer MessageEncoder keeps for the next one.
+KEPT_BUFFER_BYTES: Final = 1 << 20
 
 
 class Outgoing(msgspec.Struct, gc=False, array_like=True):
@@ -41,6 +46,13 @@ class Outgoing(msgspec.Struct, gc=False, array_like=True):
 class MessageEncoder:
     def __init__(self, fmt: str) -> None:
         self._encode = encoder_for(fmt)
+        # Group messages are encoded into one buffer, kept for the next, and
+        # copied out once: `encode` grows each payload anew from a few bytes,
+        # and a step may copy all written so far where the allocator cannot
+        # extend it in place. A buffer that held more than KEPT_BUFFER_BYTES
+        # is let go.
+        self._encode_into = (msgspec.msgpack.Encoder() if fmt == "msgpack" else msgspec.json.Encoder()).encode_into
+        self._buffer = bytearray()
         self.format = fmt
         self._static: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
         self._epoch = -1
@@ -57,13 +69,23 @@ class MessageEncoder:
             self._epoch = msg.epoch
             self._epoch_text = str(msg.epoch)
         epoch = self._epoch_text
-        msg_id = group_id(msg_id_base, seq, msg.group, msg.part, msg.chunk, msg.chunks)
+        if msg.part or msg.chunks > 1:
+            msg_id = group_id(msg_id_base, seq, msg.group, msg.part, msg.chunk, msg.chunks)
+        else:
+            # group_id's form for a slice neither split by a clear nor chunked,
+            # the common case: spelled here, it saves a call per message
+            msg_id = f"{msg_id_base}:{seq}:{msg.group}"
         headers = fixed.copy()
         headers[HDR_MSG_ID] = msg_id
         headers[HDR_SEQ] = seq
         headers[HDR_EPOCH] = epoch
         head = f"{text}{HDR_MSG_ID}: {msg_id}\r\n{HDR_SEQ}: {seq}\r\n{HDR_EPOCH}: {epoch}\r\n\r\n".encode()
-        return Outgoing(subjects.group(msg.group), self._encode(msg), headers, family, len(msg.events), head)
+        buffer = self._buffer
+        self._encode_into(msg, buffer)
+        payload = bytes(buffer)
+        if len(buffer) > KEPT_BUFFER_BYTES:
+            self._buffer = bytearray()
+        return Outgoing(subjects.group(msg.group), payload, headers, family, len(msg.events), head)
 
     def _static_headers(self, kind: str, family: str) -> tuple[str, dict[str, str]]:
         """What a group message's headers share with every other of its kind:
