@@ -10,6 +10,7 @@ One run, one machine, the same pre-generated vLLM 0.33.0 traffic for every mode:
   minimal-js the minimal relay into the JetStream stream (acks read and dropped)
   jetstream  the same with --jetstream (acks, Nats-Msg-Id) into a file-backed stream
   core-array core fed the same events as vLLM 0.9.0-0.23.0 encoded them (array events)
+  core-nosnap core with --no-snapshots: what keeping residency for snapshots costs (full runs)
 
 Each measured consumer is its own process with its own publisher process, so
 its CPU and RSS are its own (read from /proc). Throughput repeats are
@@ -39,6 +40,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import nats.js.api
 import nats.js.errors
@@ -610,11 +612,15 @@ def alone(runner: Runner, runners: list[Runner]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
+NO_SNAPSHOTS = "core-nosnap"
+
+
 def runner_plan(plan: Plan) -> list[tuple[str, str, str]]:
     """(name, mode, encoding) of every runner, in run order: one per mode;
     with --ref-src, each kv-bridge mode again from that tree (`<mode>-ref`);
-    and core once more on array-form traffic (`core-array`). All interleaved
-    with the others: A/Bs in one run."""
+    core once more on array-form traffic (`core-array`), and in a full run
+    once more without the residency it keeps for snapshots (`core-nosnap`,
+    `--no-snapshots`). All interleaved with the others: A/Bs in one run."""
     out = []
     for mode in plan.modes:
         out.append((mode, mode, "map"))
@@ -622,10 +628,43 @@ def runner_plan(plan: Plan) -> list[tuple[str, str, str]]:
             out.append((f"{mode}-ref", mode, "map"))
         if plan.array_form and mode == "core":
             out.append(("core-array", mode, "array"))
+        if mode == "core" and not plan.smoke:
+            out.append((NO_SNAPSHOTS, mode, "map"))
     return out
 
 
 Traffic = dict[str, tuple[Path, dict[int, Pool]]]
+
+
+# Run in another source tree: what its own bridge forwards of each payload
+# (trees differ: a state store with no hash, say, is dropped only by some).
+# Names every tree has had; the traffic is read without bench/.
+FORWARDED_CHILD = r"""
+import json, sys
+import msgspec
+from bridge.decode.decoder import BatchDecoder
+from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+
+pools = msgspec.msgpack.decode(open(sys.argv[1], "rb").read())
+out = {}
+for pool in pools:
+    decoder, normalizer = BatchDecoder(relay=True), Normalizer(KindBook({}), False)
+    ident, stats = StreamIdentity(worker="bench", dp_rank=0, topic="", epoch=1), NormalizeStats()
+    counts = []
+    for seq, payload in enumerate(pool[1]):
+        batch = decoder.decode(payload)
+        items = normalizer.normalize(ident, seq, batch.ts, batch.events, 0.0, stats)
+        counts.append(sum(len(i.events) for i in items if hasattr(i, "events")))
+    out[pool[0]] = counts
+print(json.dumps(out))
+"""
+
+
+def forwarded_by(tree: Path, traffic: Path) -> dict[int, list[int]]:
+    """Per batch size, the events `tree`'s bridge forwards of each payload."""
+    proc = subprocess.run([sys.executable, "-c", FORWARDED_CHILD, str(traffic.resolve())], cwd=tree, capture_output=True,
+                          text=True, check=True)
+    return {int(size): counts for size, counts in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
 def make_runners(plan: Plan, traffic: Traffic, tmp: Path) -> list[Runner]:
@@ -633,7 +672,12 @@ def make_runners(plan: Plan, traffic: Traffic, tmp: Path) -> list[Runner]:
     for name, mode, encoding in runner_plan(plan):
         path, pools = traffic[encoding]
         src = plan.ref_src if name.endswith("-ref") else None
-        runners.append(Runner(mode, plan, path, pools, tmp, label="" if name == mode else name, src=src))
+        if src is not None:
+            counts = forwarded_by(src, path)
+            pools = {size: msgspec.structs.replace(pool, deliverable=counts[size]) for size, pool in pools.items()}
+        extra = ["--no-snapshots"] if name == NO_SNAPSHOTS else []
+        runners.append(Runner(mode, plan, path, pools, tmp, label="" if name == mode else name, src=src,
+                              extra_flags=extra))
     return runners
 
 
@@ -853,6 +897,8 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
     for mode in names:
         for size in plan.sizes:
             row = table[mode][str(size)]
+            if mode == NO_SNAPSHOTS:
+                row["ratio_to_map"] = ratio("core", mode, size)  # core, snapshots kept, against this
             if mode == "core-array":
                 row["ratio_to_map"] = ratio(mode, "core-ref" if "core-ref" in table else "core", size)
             elif mode == "core" and "core-ref" in table:
@@ -888,7 +934,7 @@ def render(summary: dict[str, Any], results: dict[str, Any], plan: Plan) -> str:
          f"At {rate} ev/s offered: medians of {plan.latency_repeats} run(s), latency publish -> delivery."),
     ]
     names = [name for name, _, _ in runner_plan(plan)]
-    head = (f"{'mode':<10} {'B':>4} {'events/s':>11} {'x floor':>8} {'x naive':>8} {'CPU s/M':>8} "
+    head = (f"{'mode':<11} {'B':>4} {'events/s':>11} {'x floor':>8} {'x naive':>8} {'CPU s/M':>8} "
             f"{'| p50 ms':>9} {'p99 ms':>8} {'CPU s/M':>8} {'RSS MiB':>8}")
     lines += [head, "-" * len(head)]
 
@@ -900,7 +946,7 @@ def render(summary: dict[str, Any], results: dict[str, Any], plan: Plan) -> str:
             row = summary["table"][mode][str(size)]
             lat = row["latency"] or {}
             lines.append(
-                f"{mode:<10} {size:>4} {f(row['events_per_s'], ',.0f'):>11} {f(row['ratio_to_floor'], '.3f'):>8} "
+                f"{mode:<11} {size:>4} {f(row['events_per_s'], ',.0f'):>11} {f(row['ratio_to_floor'], '.3f'):>8} "
                 f"{f(row['ratio_to_naive'], '.1f'):>8} {f(row['cpu_s_per_m_events'], '.2f'):>8} "
                 f"| {f(lat.get('p50_ms'), '.3f'):>7} {f(lat.get('p99_ms'), '.3f'):>8} "
                 f"{f(row['cpu_s_per_m_events_at_latency_load'], '.2f'):>8} "

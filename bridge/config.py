@@ -82,8 +82,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--snapshot-events", "int", 100000,
            "JetStream mode: a rank's bucket snapshot is written sooner, once this many events came since the last."),
     Option("--snapshot-log-bytes", "int", 32 * 1024 * 1024,
-           "Published bytes held before they are applied to the bridge's residency at once (otherwise it does so "
-           "when idle or for a snapshot)."),
+           "Published bytes held for the bridge's residency, applied when idle or for a snapshot; past this "
+           "the bridge is too busy to apply them and lets them go, its snapshots then stale and partial."),
     *NATS_AUTH_OPTIONS,
 )
 

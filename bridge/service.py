@@ -58,14 +58,16 @@ class Bridge:
             settings.max_buffered_batches, self._gap_batch, self.metrics.dropped_by["queue_overflow"].inc,
             settings.max_buffered_bytes, on_put=self.catalog.observe,
         )
-        self.keeper = ResidencyKeeper(settings.worker_id, settings.snapshot_log_bytes) if settings.snapshots else None
+        self.keeper = ResidencyKeeper(settings.worker_id, settings.snapshot_log_bytes,
+                                      ranks=sorted({p.dp_rank for p in stream_plans(settings)})) \
+            if settings.snapshots else None
         keeper = self.keeper
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
                              on_reordered=self._reordered, fast_path=nats_fast_path,
                              on_written=keeper.published if keeper else None,
                              on_stored=keeper.stored if keeper else None)
         if keeper is not None:
-            self.metrics.watch_residency(lambda: (keeper.index.fleet.entries, keeper.log_bytes))
+            self.metrics.watch_residency(lambda: (keeper.index.fleet.entries, keeper.log_bytes, keeper.shed_messages))
         self.snapshots: SnapshotService | None = None
         self._snapshot_writer: SnapshotWriter | None = None
         self._subscribed = 0

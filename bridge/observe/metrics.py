@@ -151,17 +151,24 @@ class _HotCollector(Collector):
                                 value=messages)
         yield GaugeMetricFamily("kvbridge_js_in_flight_bytes", "Encoded bytes of JetStream publishes awaiting their ack.",
                                 value=size)
-        entries, log_bytes = m._residency()
+        entries, log_bytes, shed = m._residency()
         yield GaugeMetricFamily("kvbridge_residency_entries",
                                 "(rank, group, medium, hash) entries the bridge's own residency holds (snapshots).",
                                 value=entries)
         yield GaugeMetricFamily("kvbridge_residency_log_bytes",
                                 "Encoded bytes published but not yet applied to the bridge's residency.",
                                 value=log_bytes)
+        yield CounterMetricFamily("kvbridge_residency_shed_messages",
+                                  "Messages let go unapplied because the bridge was too busy to apply them "
+                                  "(their ranks' snapshots turn stale and partial).", value=shed)
 
 
 def _nothing_in_flight() -> tuple[int, int]:
     return (0, 0)
+
+
+def _no_residency() -> tuple[int, int, int]:
+    return (0, 0, 0)
 
 
 def _counter(name: str, doc: str, count: Count) -> CounterMetricFamily:
@@ -256,7 +263,7 @@ class Metrics:
         self.last_seq = LevelBy()
         self.queue_depth = Level()
         self._js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
-        self._residency: Callable[[], tuple[int, int]] = _nothing_in_flight
+        self._residency: Callable[[], tuple[int, int, int]] = _no_residency
         self.lag = Buckets(LAG_BUCKETS)
         self.js_window_waits = Count()
         self.js_window_wait_s = Count()
@@ -267,8 +274,8 @@ class Metrics:
         ack window registers it once it exists, and scrapes call it."""
         self._js_in_flight = read
 
-    def watch_residency(self, read: Callable[[], tuple[int, int]]) -> None:
-        """`read` says (entries held, log bytes not yet applied) of the bridge's residency."""
+    def watch_residency(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        """`read` says (entries held, log bytes not yet applied, messages shed) of the bridge's residency."""
         self._residency = read
 
     def render(self) -> bytes:

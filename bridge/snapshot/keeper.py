@@ -9,15 +9,17 @@ the snapshot names the stream sequence a reader goes on from. A message's
 effect lands on an index only when a snapshot needs it, or while the bridge
 has nothing else to do: until then the keeper only keeps a reference to the
 encoded payload it already made, and the work of decoding and applying it
-stays off the path from vLLM to NATS. The log is bounded by bytes; past the
-bound it is applied at once.
+stays off the path from vLLM to NATS. The log is bounded by bytes: when the
+bridge is so busy that it grows past the bound, the live stream keeps
+priority and the log is let go, its ranks' views turned stale and partial
+(`ResidencyIndex.lose`), which is what their snapshots then say.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -27,15 +29,19 @@ import structlog
 from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, GroupMessage, WorkerRecord
 from bridge.contract import decoder_for as _decoder_for
 from bridge.contract.residency import ResidencyIndex
+from bridge.contract.residency.lean import ResidencyMessage, residency_decoder
 from bridge.contract.snapshot import RankSnapshot, encode_snapshot
 from bridge.sink.acks import ack_seq
 from bridge.sink.encode import Outgoing
 
 log = structlog.get_logger("bridge.snapshot")
 
-# Applied per slice while the bridge is idle: a slice is a fraction of a
-# millisecond, so a batch arriving meanwhile waits no longer than that.
-IDLE_SLICE = 64
+# Applied in slices of this long while the bridge is idle, so a batch
+# arriving meanwhile waits no longer than that.
+IDLE_SLICE_S = 0.0005
+# Messages of a let-go log dropped per hand-over, besides two per message
+# handed over: freed faster than the next log fills, so it only shrinks.
+GARBAGE_STEP = 64
 
 
 class _Through:
@@ -50,23 +56,35 @@ class _Through:
 
 
 class ResidencyKeeper:
-    """`max_log_bytes`: encoded bytes held before they are applied at once."""
+    """`max_log_bytes`: encoded bytes held before they are let go; `ranks`:
+    the bridge's dp ranks (what a shed log may have held)."""
 
-    def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024) -> None:
+    def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024, ranks: Sequence[int] = (0,)) -> None:
         self.worker = worker
+        self._ranks = tuple(ranks)
         self.index = ResidencyIndex()
         self._max_log_bytes = max_log_bytes
         self._log: deque[tuple[Outgoing, bytes | None]] = deque()
+        # A let-go log, freed a little at a time: dropped at once, a full one
+        # would hold the loop for tens of milliseconds.
+        self._garbage: deque[tuple[Outgoing, bytes | None]] = deque()
         self.log_bytes = 0
         self._through: dict[int, _Through] = {}
+        # Group payloads in msgpack decode with their token ids left encoded:
+        # the residency rules only count them (bridge.contract.residency.lean).
         self._decoders: dict[tuple[str, bool], Any] = {
             (fmt, record): _decoder_for(fmt, WorkerRecord if record else GroupMessage)
             for fmt in FORMATS for record in (False, True)
         }
+        self._decoders[("msgpack", False)] = residency_decoder()
         # Events (and records) applied per rank: the bucket writer compares
         # them with what it last wrote.
         self.applied: dict[int, int] = {}
         self.undecodable = 0
+        # Times the log was let go, and the messages it held.
+        self.sheds = 0
+        self.shed_messages = 0
+        self._lost = False  # shed while an export ran: the ranks are told at the next catch-up
         # Exports in progress (worker threads reading the index): nothing is applied meanwhile.
         self._exporting = 0
 
@@ -79,7 +97,9 @@ class ResidencyKeeper:
             log_.append((msg, None))
             self.log_bytes += msg.nbytes
         if self.log_bytes > self._max_log_bytes:
-            self.catch_up_to(self._max_log_bytes // 2)
+            self.shed()
+        if self._garbage:
+            self.free(GARBAGE_STEP + 2 * len(messages))
 
     def stored(self, msg: Outgoing, ack: bytes) -> None:
         """A message the stream stored (JetStream mode), with its ack, in
@@ -87,7 +107,37 @@ class ResidencyKeeper:
         self._log.append((msg, ack))
         self.log_bytes += msg.nbytes
         if self.log_bytes > self._max_log_bytes:
-            self.catch_up_to(self._max_log_bytes // 2)
+            self.shed()
+        if self._garbage:
+            self.free(GARBAGE_STEP + 2)
+
+    def shed(self) -> None:
+        """Lets the log go: applying it now would hold up the live stream,
+        which already runs behind it. Every rank loses what it lacks (once no
+        export reads the index: the next catch-up says so first)."""
+        self._lost = True
+        if not self._exporting:
+            self._mark_lost()
+        log.warning("snapshot_log_shed", messages=len(self._log), bytes=self.log_bytes, ranks=list(self._ranks))
+        self.sheds += 1
+        self.shed_messages += len(self._log)
+        if self._garbage:
+            self._garbage.extend(self._log)
+            self._log.clear()
+        else:
+            self._log, self._garbage = self._garbage, self._log
+        self.log_bytes = 0
+
+    def _mark_lost(self) -> None:
+        for rank in self._ranks:
+            self.index.lose(self.worker, rank)
+        self._lost = False
+
+    def free(self, n: int) -> None:
+        """Drops up to `n` messages of a let-go log."""
+        garbage = self._garbage
+        for _ in range(min(n, len(garbage))):
+            garbage.popleft()
 
     # -- applying ---------------------------------------------------------
 
@@ -95,30 +145,36 @@ class ResidencyKeeper:
     def pending(self) -> int:
         return len(self._log)
 
-    def catch_up(self, limit: int = 0) -> int:
-        """Applies up to `limit` logged messages (0: all); returns how many
-        (none while a snapshot is being exported: the log holds them)."""
+    @property
+    def garbage(self) -> int:
+        return len(self._garbage)
+
+    def catch_up(self, limit: int = 0, seconds: float = 0.0) -> int:
+        """Applies up to `limit` logged messages (0: all), for at most about
+        `seconds` (0: no bound); returns how many (none while a snapshot is
+        being exported: the log holds them)."""
         if self._exporting:
             return 0
+        if self._lost:
+            self._mark_lost()
         n = 0
         log_ = self._log
+        end = time.perf_counter() + seconds if seconds else 0.0
         while log_ and (not limit or n < limit):
             msg, ack = log_.popleft()
             self.log_bytes -= msg.nbytes
             self.apply(msg, ack)
             n += 1
+            if end and time.perf_counter() >= end:
+                break
         return n
-
-    def catch_up_to(self, log_bytes: int) -> None:
-        while self._log and self.log_bytes > log_bytes and self.catch_up(IDLE_SLICE):
-            pass
 
     async def catch_up_all(self) -> None:
         """Applies what is logged now, a slice at a time between the loop's
         other work; waits out an export in progress."""
         target = self.pending
         while target > 0 and self._log:
-            n = self.catch_up(min(target, IDLE_SLICE * 16))
+            n = self.catch_up(target, seconds=IDLE_SLICE_S * 4)
             target -= n
             await anyio.sleep(0 if n else 0.005)
 
@@ -134,14 +190,18 @@ class ResidencyKeeper:
         except (AttributeError, msgspec.DecodeError, msgspec.ValidationError):
             self.undecodable += 1
             return
-        self.index.apply(body)
+        kind = type(body)
+        if kind is ResidencyMessage or kind is GroupMessage:
+            self.index.apply_group(body)
+        else:
+            self.index.apply_record(body)
         rank = body.dp_rank
         # A duplicate's ack names the stored copy's (earlier) sequence: the
         # position a reader goes on from only moves forward.
         seq = max(0, ack_seq(ack)) if ack is not None else 0
         last = self._through.get(rank)
         self._through[rank] = _Through(headers.get(HDR_MSG_ID, ""), seq=max(seq, last.seq if last else 0))
-        events = len(body.events) if type(body) is GroupMessage else 1
+        events = 1 if kind is WorkerRecord else len(body.events)
         self.applied[rank] = self.applied.get(rank, 0) + events
 
     # -- snapshots ----------------------------------------------------------
@@ -163,6 +223,8 @@ class ResidencyKeeper:
         the loop goes on reading ZMQ and publishing (a million blocks take a
         second or more); the index is left alone meanwhile: what comes waits
         in the log. Apply the log first (`catch_up_all`) for the latest."""
+        if self._lost and not self._exporting:
+            self._mark_lost()
         self._exporting += 1
         try:
             return await anyio.to_thread.run_sync(self._export, dp_rank)
@@ -190,5 +252,8 @@ async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool]) -> None:
     slice at a time, until cancelled."""
     while True:
         await anyio.sleep(0.02)
-        while keeper.pending and idle() and keeper.catch_up(IDLE_SLICE):
+        while keeper.pending and idle() and keeper.catch_up(seconds=IDLE_SLICE_S):
+            await anyio.sleep(0)
+        while keeper.garbage and idle():
+            keeper.free(GARBAGE_STEP * 16)
             await anyio.sleep(0)

@@ -50,15 +50,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, cast
 
 import msgspec
 
 from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
-from bridge.contract.events import BlockHash, BlockStored
+from bridge.contract.events import BlockHash, BlockRemoved, BlockStored
 from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
 from bridge.contract.residency.fleet import FleetResidency
-from bridge.contract.residency.prefix import PrefixMatch
+from bridge.contract.residency.lean import STORED_TYPES, LeanStored, ResidencyMessage, token_count
+from bridge.contract.residency.prefix import PrefixMatch, window_blocks
 from bridge.contract.residency.prefix import _group_limit as group_limit
 from bridge.contract.residency.views import GroupResidency, WorkerKey, WorkerView
 from bridge.contract.snapshot import SNAPSHOT_VERSION, GroupState, RankSnapshot, SnapshotMissing, TierState
@@ -96,13 +97,29 @@ class _Declared(NamedTuple):
 class _Reannounced:
     """Parent-less GPU stores of one batch position of one worker rank (report mode "full")."""
 
-    __slots__ = ("at", "added", "chains", "tokenless")
+    __slots__ = ("at", "_added", "_unsorted", "chains", "tokenless")
 
     def __init__(self, at: tuple[int, int, int]) -> None:
         self.at = at  # (epoch, seq, part)
-        self.added: Counter[tuple[int, BlockHash]] = Counter()  # GPU copies stored at this position
+        # GPU copies stored at this position, per (group, hash): counted only
+        # when a rule asks, since most positions never need them.
+        self._added: Counter[tuple[int, BlockHash]] = Counter()
+        self._unsorted: list[tuple[int, list[BlockHash]]] = []
         self.chains: set[tuple[BlockHash, ...]] = set()  # announced again, not stored
         self.tokenless: list[tuple[GroupResidency, tuple[BlockHash, ...], list[BlockHash]]] = []  # may be taken back
+
+    def note(self, group: int, stored: list[BlockHash]) -> None:
+        self._unsorted.append((group, stored))
+
+    @property
+    def added(self) -> Counter[tuple[int, BlockHash]]:
+        if self._unsorted:
+            added = self._added
+            for group, stored in self._unsorted:
+                for h in stored:
+                    added[(group, h)] += 1
+            self._unsorted.clear()
+        return self._added
 
 
 class ResidencyIndex:
@@ -189,6 +206,20 @@ class ResidencyIndex:
             view.interruptions += 1
         self.fleet.demote_all()
 
+    def lose(self, worker: str, dp_rank: int) -> None:
+        """This reader skipped some of one rank's messages (it could not keep
+        up): the view may lack stores and hold blocks since removed, so it is
+        partial (every answer from it stale) until a record empties it. A rank
+        not seen yet starts so. Its entries are left where they are: moving
+        them all to the suspect layer costs a microsecond each, and a reader
+        that could not keep up has no time for that."""
+        key = WorkerKey(worker, dp_rank)
+        view = self.views.get(key)
+        if view is None:
+            view = self._new_view(key, 0)
+        view.interruptions += 1
+        view.partial = True
+
     def _current(self, worker: str, dp_rank: int, epoch: int) -> WorkerView | None:
         """The view for a message of `epoch`, reset when the epoch is newer
         (a new vLLM process whose records we did not see); None when older."""
@@ -233,7 +264,7 @@ class ResidencyIndex:
         if g.window is None and decl.window:
             g.window = decl.window
 
-    def apply_group(self, msg: GroupMessage, received: float | None = None) -> None:
+    def apply_group(self, msg: GroupMessage | ResidencyMessage, received: float | None = None) -> None:
         view = self._current(msg.worker, msg.dp_rank, msg.epoch)
         if view is None:
             return
@@ -252,9 +283,12 @@ class ResidencyIndex:
         if msg.kind_source != "unknown" and (g.kind != msg.kind or g.family != msg.family):
             g.learn(msg.kind, msg.family)
         family = g.family
-        for event in msg.events:
+        for any_event in msg.events:
+            # A group message holds stores and removals only (clears split it).
+            event = cast("BlockStored | LeanStored | BlockRemoved", any_event)
             medium = event.medium or DEFAULT_MEDIUM
-            if type(event) is BlockStored:
+            if type(event) in STORED_TYPES:
+                event = cast("BlockStored | LeanStored", event)
                 if event.block_size > 0 and not event.placeholder:
                     g.block_size = event.block_size
                 if event.kv_cache_spec_sliding_window:
@@ -277,8 +311,8 @@ class ResidencyIndex:
         view.last_received = now
         view.lag = max(0.0, now - msg.ts)
 
-    def _announced_again(self, view: WorkerView, g: GroupResidency, msg: GroupMessage, event: BlockStored,
-                         stored: list[BlockHash]) -> bool:
+    def _announced_again(self, view: WorkerView, g: GroupResidency, msg: GroupMessage | ResidencyMessage,
+                         event: BlockStored | LeanStored, stored: list[BlockHash]) -> bool:
         """Whether a parent-less GPU store is vLLM announcing a prefix hit again
         (report mode "full") rather than storing blocks; when it is not, it is
         stored and noted. A store that carries its tokens (attention and window
@@ -295,7 +329,8 @@ class ResidencyIndex:
         if chain in memo.chains:
             self.reannounced_ignored += 1
             return True
-        if event.token_ids and event.block_size > 0 and len(event.token_ids) >= len(chain) * event.block_size \
+        tokens = token_count(event)
+        if tokens and event.block_size > 0 and tokens >= len(chain) * event.block_size \
                 and self._resumable_before(view, memo, chain):
             memo.chains.add(chain)
             self.reannounced_ignored += 1
@@ -312,9 +347,8 @@ class ResidencyIndex:
                 self.reannounced_ignored += 1
             memo.tokenless = keep
             return True
-        for h in stored:
-            memo.added[(g.group, h)] += 1
-        if not event.token_ids:
+        memo.note(g.group, stored)
+        if not tokens:
             memo.tokenless.append((g, chain, list(stored)))
         return False
 
@@ -324,11 +358,22 @@ class ResidencyIndex:
         suspect copies), without the copies stored at this batch position."""
         k = len(chain)
         constrained = False
+        last = chain[-1]
+        for res in view.groups.values():
+            if res.family not in (ATTENTION, WINDOW, STATE):
+                continue
+            # Every group that needs a block at all needs the one at k - 1: a
+            # fresh request's store, the common case, fails here at one lookup.
+            # (Copies stored at this position are counted in too: none held, none to leave out.)
+            if (res.family != WINDOW or window_blocks(res.window, res.block_size) != 0) and \
+                    res.count(GPU_MEDIUM, last) + res.count(GPU_MEDIUM, last, suspect=True) <= 0:
+                return False
+        added = memo.added
         for group, res in view.groups.items():
             if res.family not in (ATTENTION, WINDOW, STATE):
                 continue
             constrained = True
-            held = [res.count(GPU_MEDIUM, h) + res.count(GPU_MEDIUM, h, suspect=True) - memo.added[(group, h)] > 0
+            held = [res.count(GPU_MEDIUM, h) + res.count(GPU_MEDIUM, h, suspect=True) - added[(group, h)] > 0
                     for h in chain]
             allowed, _ = group_limit(res, held)
             if not allowed[k]:

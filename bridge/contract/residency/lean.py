@@ -1,0 +1,78 @@
+"""Group messages as residency reads them: only the fields its rules use.
+
+A consumer that keeps residency and nothing else (the bridge's own keeper, an
+index behind a router) need not build every token id of every store: decoding
+`token_ids` as a list of ints is most of what a full `GroupMessage` decode
+costs. `ResidencyMessage` takes the same msgpack payload, leaves token ids as
+the encoded array (`msgspec.Raw`) and drops the fields residency never reads
+(unknown map keys are skipped). `ResidencyIndex.apply_group` takes either
+form, and gives the same view for both.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from bridge.contract.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from bridge.contract.messages import KindSource
+
+_EMPTY = msgspec.Raw()
+
+
+class LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
+    """A `BlockStored` with its token ids left encoded."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: msgspec.Raw = _EMPTY
+    block_size: int = 0
+    medium: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    placeholder: bool = False
+
+
+class ResidencyMessage(msgspec.Struct, gc=False):
+    """A `GroupMessage` with the fields residency reads."""
+
+    worker: str
+    dp_rank: int
+    epoch: int
+    seq: int
+    ts: float
+    group: int
+    kind: str
+    family: str
+    kind_source: KindSource
+    events: list[Union[LeanStored, BlockRemoved, AllBlocksCleared]]
+    topic: str = ""
+    part: int = 0
+    chunk: int = 0
+
+
+# Both store forms, for a type test that costs one set lookup.
+STORED_TYPES = frozenset((BlockStored, LeanStored))
+
+
+def residency_decoder() -> msgspec.msgpack.Decoder[ResidencyMessage]:
+    """Reads a msgpack group payload (the JSON format decodes in full)."""
+    return msgspec.msgpack.Decoder(ResidencyMessage)
+
+
+def token_count(event: BlockStored | LeanStored) -> int:
+    """How many token ids a store carries, in either form."""
+    tokens = event.token_ids
+    if type(tokens) is list:
+        return len(tokens)
+    raw = memoryview(tokens)  # type: ignore[arg-type]
+    if not raw:
+        return 0
+    head = raw[0]
+    if 0x90 <= head <= 0x9F:  # fixarray
+        return head & 0x0F
+    if head == 0xDC:  # array 16
+        return int.from_bytes(raw[1:3], "big")
+    if head == 0xDD:  # array 32
+        return int.from_bytes(raw[1:5], "big")
+    return 0  # nil, or not an array: no tokens to count

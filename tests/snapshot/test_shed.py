@@ -1,0 +1,131 @@
+"""The bridge's residency under load: read lean, and let go when too busy.
+
+The keeper reads group payloads with their token ids left encoded, and a log
+that grows past `--snapshot-log-bytes` (the bridge publishing faster than it
+can also apply) is let go: the live stream keeps priority, and the ranks the
+log held say so in their snapshots, stale and partial, until a record
+empties their views."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bridge.contract import BlockStored
+from bridge.contract.msgid import stream_base
+from bridge.contract.residency.lean import LeanStored, token_count
+from bridge.sink.encode import MessageEncoder
+from bridge.sink.subjects import SubjectBook
+from bridge.snapshot.keeper import GARBAGE_STEP, ResidencyKeeper
+from tests.client.builders import hi, msg, record, stored
+
+WORKER = "pod-s"
+EPOCH = 7
+
+
+class Bridge:
+    """Encodes contract messages as the bridge does and hands them to its keeper."""
+
+    def __init__(self, keeper: ResidencyKeeper) -> None:
+        self.keeper = keeper
+        self.encoder = MessageEncoder("msgpack")
+        self.seq = {0: 0, 1: 0}
+
+    def store(self, rank: int, *hashes: int) -> None:
+        self.seq[rank] += 1
+        group = msg([stored(list(hashes))], worker=WORKER, rank=rank, epoch=EPOCH, seq=self.seq[rank])
+        out = self.encoder.group(group, SubjectBook("kv", WORKER, rank), stream_base(WORKER, rank, EPOCH))
+        self.keeper.published([out])
+
+    def fresh_start(self, rank: int, epoch: int) -> None:
+        rec = record("start", worker=WORKER, rank=rank, epoch=epoch, reason="fresh")
+        base = stream_base(WORKER, rank, epoch)
+        self.keeper.published([self.encoder.record(rec, SubjectBook("kv", WORKER, rank), f"{base}:t1:worker:start")])
+
+
+def test_a_log_past_its_bound_is_let_go_and_its_ranks_say_so() -> None:
+    keeper = ResidencyKeeper(WORKER, max_log_bytes=64 * 1024, ranks=(0, 1))
+    bridge = Bridge(keeper)
+    for i in range(5):
+        bridge.store(0, hi(i))
+    keeper.catch_up()
+    view = keeper.index.view(WORKER, 0)
+    assert view is not None and not view.partial and not view.stale
+
+    # A burst: rank 0 goes on, rank 1 is new; nothing is applied meanwhile.
+    i = 100
+    while not keeper.sheds:
+        bridge.store(i % 2, hi(i))
+        i += 1
+    assert keeper.pending == 0 and keeper.log_bytes == 0 and keeper.shed_messages > 0
+    # Freed a little with each message logged afterwards, not all at once.
+    step = GARBAGE_STEP + 2  # per message handed over, one at a time here
+    assert keeper.shed_messages > 2 * step
+    assert keeper.garbage == keeper.shed_messages - step
+    bridge.store(0, hi(i))
+    assert keeper.garbage == keeper.shed_messages - 2 * step
+    keeper.free(keeper.garbage)
+    for rank in (0, 1):
+        view = keeper.index.view(WORKER, rank)
+        assert view is not None and view.partial and view.stale, rank
+        snap = keeper.snapshot(rank)
+        assert snap is not None and not snap.complete, rank
+    # What the view held before the burst may be gone: answered, flagged stale.
+    answer = keeper.index.match(WORKER, 0, [hi(0)])
+    assert answer is not None and answer.blocks == 1 and answer.stale
+
+    # What comes after the shed is applied as before.
+    bridge.store(0, hi(10_000))
+    keeper.catch_up()
+    assert keeper.index.match(WORKER, 0, [hi(10_000)]).blocks == 1  # type: ignore[union-attr]
+    assert keeper.snapshot(0).through == f"{stream_base(WORKER, 0, EPOCH)}:{bridge.seq[0]}:0"  # type: ignore[union-attr]
+
+    # A fresh start empties the view: it is whole again.
+    bridge.fresh_start(0, EPOCH + 1)
+    keeper.catch_up()
+    view = keeper.index.view(WORKER, 0)
+    assert view is not None and not view.partial and not view.stale
+    assert keeper.snapshot(0).complete  # type: ignore[union-attr]
+    assert keeper.index.view(WORKER, 1).partial  # type: ignore[union-attr]
+
+
+def test_idle_catch_up_stops_after_its_time_slice() -> None:
+    keeper = ResidencyKeeper(WORKER)
+    bridge = Bridge(keeper)
+    for i in range(2000):
+        bridge.store(0, hi(i))
+    # A slice this short ends after the first message; no bound: all of them.
+    assert keeper.catch_up(seconds=1e-9) == 1
+    assert keeper.catch_up() == 1999 and keeper.pending == 0
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 15, 16, 65_535, 65_536])
+def test_token_count_reads_the_encoded_array(tokens: int) -> None:
+    full = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=list(range(tokens)), block_size=16,
+                       lora_id=None, medium="GPU", lora_name=None)
+    lean = msgspec.msgpack.decode(msgspec.msgpack.encode(full), type=LeanStored)
+    assert token_count(lean) == token_count(full) == tokens
+    assert token_count(LeanStored(block_hashes=[1])) == 0  # not sent at all
+
+
+@pytest.mark.anyio
+async def test_a_shed_during_an_export_reaches_the_ranks_after_it() -> None:
+    """An export reads the index in a worker thread: the shed leaves it alone
+    meanwhile, and the ranks learn of it before anything else is applied."""
+    keeper = ResidencyKeeper(WORKER, max_log_bytes=16 * 1024, ranks=(0,))
+    bridge = Bridge(keeper)
+    bridge.store(0, hi(1))
+    keeper.catch_up()
+    keeper._exporting += 1  # as export() holds it while its thread runs
+    i = 2
+    while not keeper.sheds:
+        bridge.store(0, hi(i))
+        i += 1
+    assert not keeper.index.view(WORKER, 0).partial  # type: ignore[union-attr]
+    assert keeper.catch_up() == 0  # nothing applied while the export runs
+    keeper._exporting -= 1
+    bridge.store(0, hi(i))
+    keeper.catch_up()
+    assert keeper.index.view(WORKER, 0).partial  # type: ignore[union-attr]
+    taken = await keeper.export(0)
+    assert taken is not None and not taken[0].complete
