@@ -18,6 +18,7 @@ from bridge.client.subscribe import DEFAULT_STREAM, BusMessage, BusSubscriber, I
 from bridge.contract import GroupMessage
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 from bridge.tools.render import render_group, render_record, render_snapshot, snapshot_summary
+from bridge.tools.stopping import close_quietly, until_signal
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -51,8 +52,9 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     subject = args.subject or f"{settings.subject_prefix}.>"
     try:
         boot = bootstrap_options(args, settings.subject_prefix)
-        return anyio.run(tail, settings, subject, since, args.stream_name, args.json, args.count, sys.stdout, boot)
-    except KeyboardInterrupt:
+        return anyio.run(until_signal, lambda: tail(settings, subject, since, args.stream_name, args.json,
+                                                    args.count, sys.stdout, boot))
+    except KeyboardInterrupt:  # Ctrl-C before the loop runs
         return 0
 
 
@@ -115,5 +117,5 @@ async def tail(settings: NatsAccess, subject: str, since: StartAt | None, stream
     except BrokenPipeError:  # `tail | head`: the reader left, which is fine
         return 0
     finally:
-        await conn.close()
+        await close_quietly(conn.close)
     return 0

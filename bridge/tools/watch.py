@@ -29,6 +29,7 @@ from bridge.contract import DEFAULT_DEAD_AFTER
 from bridge.contract.residency.index import ResidencyIndex
 from bridge.contract.residency.views import WorkerKey, WorkerView
 from bridge.contract.snapshot import RankSnapshot
+from bridge.tools.stopping import close_quietly, until_signal
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 _LIVENESS_STYLE = {"alive": "green", "dead": "bold red", "stopped": "yellow", "watching": "green", "?": "dim"}
@@ -80,8 +81,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         print(f"kv-bridge watch: {exc}", file=sys.stderr)
         return 2
     try:
-        return anyio.run(watch, settings, opts, sys.stdout)
-    except KeyboardInterrupt:  # Ctrl-C is how a watch ends
+        return anyio.run(until_signal, lambda: watch(settings, opts, sys.stdout))
+    except KeyboardInterrupt:  # Ctrl-C before the loop runs
         return 0
 
 
@@ -255,5 +256,5 @@ async def watch(settings: NatsAccess, opts: WatchOptions, out: TextIO) -> int:
         print(f"kv-bridge watch: no JetStream stream {opts.stream!r} holds {subject!r}", file=sys.stderr)
         return 1
     finally:
-        await conn.close()
+        await close_quietly(conn.close)
     return 0

@@ -107,3 +107,22 @@ def test_tail_reports_an_unreachable_server_and_a_bad_since() -> None:
     assert bad.returncode == 1 and "no NATS server answered" in bad.stderr
     assert time.monotonic() - started < 20
     assert main(["tail", "--since", "yesterday"]) == 2
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+async def test_tail_ends_on_ctrl_c_or_sigterm(nats_server: NatsServerProcess, sig: str) -> None:
+    """Ctrl-C or SIGTERM ends a tail at once, its connection closed, exit code 0."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "bridge", "tail", "--nats-url", nats_server.url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        await anyio.sleep(3.0)
+        assert proc.poll() is None
+        proc.send_signal(getattr(signal, sig))
+        _, err = await anyio.to_thread.run_sync(lambda: proc.communicate(timeout=10))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err

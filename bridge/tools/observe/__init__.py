@@ -7,7 +7,6 @@ docs/observe.md has the API and the metrics."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 import anyio
@@ -16,6 +15,7 @@ from bridge.access import ConfigError
 from bridge.client.access import access_settings, add_access_arguments
 from bridge.tools.observe.options import ObserveOptions, add_observe_arguments
 from bridge.tools.observe.service import ObserveService
+from bridge.tools.stopping import until_signal
 
 __all__ = ["ObserveOptions", "ObserveService", "register"]
 
@@ -31,25 +31,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_observe_arguments(parser)
     add_access_arguments(parser)
     parser.set_defaults(func=_cmd_observe)
-
-
-async def _main(service: ObserveService, settings: object) -> int:
-    rc = 0
-    async with anyio.create_task_group() as tg:
-        async def _signals() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
-
-        async def _run() -> None:
-            nonlocal rc
-            rc = await service.run(settings)  # type: ignore[arg-type]
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(_signals)
-        tg.start_soon(_run)
-    return rc
 
 
 def _configure_logging() -> None:
@@ -74,6 +55,7 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         return 2
     _configure_logging()
     try:
-        return anyio.run(_main, ObserveService(opts), settings)
-    except KeyboardInterrupt:
+        service = ObserveService(opts)
+        return anyio.run(until_signal, lambda: service.run(settings))
+    except KeyboardInterrupt:  # Ctrl-C before the loop runs
         return 0

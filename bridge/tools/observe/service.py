@@ -25,6 +25,7 @@ from bridge.tools.observe.http import Response, serve_http
 from bridge.tools.observe.metrics import HybridCache, make_registry, render
 from bridge.tools.observe.options import ObserveOptions
 from bridge.tools.observe.state import ObserveState, PrefixQuery, QueryError, hybrid_effect
+from bridge.tools.stopping import close_quietly
 
 log = structlog.get_logger("bridge.tools.observe")
 
@@ -182,7 +183,6 @@ class ObserveService:
                 tg.cancel_scope.cancel()
                 return 1
             finally:
-                with anyio.CancelScope(shield=True):
-                    await conn.close()
+                await close_quietly(conn.close)
             tg.cancel_scope.cancel()
         return 0

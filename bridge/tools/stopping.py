@@ -1,0 +1,44 @@
+"""How a consumer command ends: SIGINT (Ctrl-C) or SIGTERM cancels its work,
+which then closes its NATS connection, however far it got (connecting,
+bootstrapping, watching)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+# How long closing the NATS connection may take once asked to stop.
+CLOSE_S = 3.0
+
+
+async def until_signal(main: Callable[[], Awaitable[int]]) -> int:
+    """Runs `main` until it returns (its exit code) or a signal comes (0).
+    Off the main thread (a test driving the command) signals are not ours
+    to take: `main` runs alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return await main()
+    rc = 0
+    async with anyio.create_task_group() as tg:
+        async def _signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def _run() -> None:
+            nonlocal rc
+            rc = await main()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(_signals)
+        tg.start_soon(_run)
+    return rc
+
+
+async def close_quietly(close: Callable[[], Awaitable[None]]) -> None:
+    """Closes even when the caller is being cancelled, within CLOSE_S."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_S):
+        await close()
