@@ -76,9 +76,13 @@ async def test_what_the_snapshot_holds_is_cut_even_when_still_queued(nats_server
     await nc.subscribe(snapshot_subject("kv", WORKER, 0), cb=fake.answer)
     try:
         await fake.stores(20)
-        async with late_index(nats_server.url, bootstrap=BootstrapOptions(discover_s=0.3)) as (late, sub):
+        # No bridge answers $SRV.INFO here: the rank is known only from what
+        # reaches the buffer while discovery runs, so discovery is given long
+        # enough for that on a busy machine (0.3 s once was not, in CI).
+        async with late_index(nats_server.url, bootstrap=BootstrapOptions(discover_s=2.0)) as (late, sub):
             # in the buffer while discovery runs: the rank is asked for
             await fake.stores(5)
+            await nc.flush()
             await wait_until(lambda: len(sub.sources) == 1, 20, "the bootstrap")
             await fake.stores(5)
             await nc.flush()
