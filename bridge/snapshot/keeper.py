@@ -96,20 +96,21 @@ class ResidencyKeeper:
         for msg in messages:
             log_.append((msg, None))
             self.log_bytes += msg.nbytes
-        if self.log_bytes > self._max_log_bytes:
-            self.shed()
-        if self._garbage:
-            self.free(GARBAGE_STEP + 2 * len(messages))
+        self._logged(len(messages))
 
     def stored(self, msg: Outgoing, ack: bytes) -> None:
         """A message the stream stored (JetStream mode), with its ack, in
         stream order (bridge.sink.acks.AckWindow hands them over so)."""
         self._log.append((msg, ack))
         self.log_bytes += msg.nbytes
+        self._logged(1)
+
+    def _logged(self, n: int) -> None:
+        """After `n` messages joined the log: bound it, and free some of a let-go one."""
         if self.log_bytes > self._max_log_bytes:
             self.shed()
         if self._garbage:
-            self.free(GARBAGE_STEP + 2)
+            self.free(GARBAGE_STEP + 2 * n)
 
     def shed(self) -> None:
         """Lets the log go: applying it now would hold up the live stream,
