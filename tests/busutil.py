@@ -113,3 +113,13 @@ async def wait_published(bridge: Bridge, batches: float, timeout: float = 20.0) 
     with anyio.fail_after(timeout):
         while metric(bridge, "kvbridge_batches_out_total") < batches:
             await anyio.sleep(0.05)
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    """Until `cond()` holds, checked every 20 ms; an AssertionError naming `what` after `timeout`."""
+    try:
+        with anyio.fail_after(timeout):
+            while not cond():
+                await anyio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}") from None

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,15 +219,6 @@ async def bus_index(url: str) -> AsyncIterator[Bus]:
             tg.cancel_scope.cancel()
     finally:
         await conn.close()
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    try:
-        with anyio.fail_after(timeout):
-            while not cond():
-                await anyio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout} s waiting for {what or cond}") from None
 
 
 def ports() -> tuple[int, int]:

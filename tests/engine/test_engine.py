@@ -28,7 +28,8 @@ import pytest
 from bridge.client import ChainHasher, as_int
 from bridge.contract import ATTENTION
 from bridge.embedded.nats_server import NatsServerProcess
-from tests.engine.harness import ROOT, Bus, Engine, bus_index, kv_bridge_process, ports, requires_engine, wait_until
+from tests.busutil import wait_until
+from tests.engine.harness import ROOT, Bus, Engine, bus_index, kv_bridge_process, ports, requires_engine
 from tests.engine.models import VOCAB
 
 pytestmark = [pytest.mark.anyio, requires_engine, pytest.mark.timeout(900)]

@@ -48,15 +48,6 @@ def caught_up(index: ResidencyIndex, worker: str, rank: int, seq: int) -> bool:
     return view is not None and view.last_seq == seq
 
 
-async def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    try:
-        with anyio.fail_after(timeout):
-            while not cond():
-                await anyio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}") from None
-
-
 def port_run(n: int) -> int:
     """A free port with the n-1 after it free too (rank r listens on port + r)."""
     while True:

@@ -23,10 +23,11 @@ from bridge.contract import DEFAULT_STREAM
 from bridge.contract.residency import ResidencyIndex
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET, SnapshotHead, decode_head, snapshot_key
 from bridge.embedded.nats_server import NatsServerProcess
+from tests.busutil import wait_until
 from tests.client.live import live_index
 from tests.faults.harness import http_get, metric_value
 from tests.security.secure_nats import bridge_permissions, reader_permissions, secret_word, start_server
-from tests.snapshot.rig import Worker, caught_up, late_index, wait_until
+from tests.snapshot.rig import Worker, caught_up, late_index
 from tests.snapshot.views import index_state
 
 pytestmark = pytest.mark.anyio

@@ -20,8 +20,9 @@ from bridge.embedded.nats_server import NatsServerProcess
 from bridge.sink.encode import MessageEncoder, Outgoing
 from bridge.sink.subjects import SubjectBook
 from bridge.snapshot.keeper import ResidencyKeeper
+from tests.busutil import wait_until
 from tests.client.builders import hi, msg, record, stored
-from tests.snapshot.rig import caught_up, late_index, wait_until
+from tests.snapshot.rig import caught_up, late_index
 from tests.snapshot.views import index_state
 
 pytestmark = pytest.mark.anyio
