@@ -170,9 +170,11 @@ class Bus:
     groups: list[GroupMessage] = field(default_factory=list)
     records: list[WorkerRecord] = field(default_factory=list)
     applied: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (epoch, last seq)
+    items: int = 0  # everything applied, for waiting until the bus is quiet
 
     def apply(self, item: Any) -> None:
         self.index.apply(item)
+        self.items += 1
         if type(item) is not BusMessage:
             return
         body = item.body

@@ -106,6 +106,12 @@ class Run:
             return epoch > self.older_than and last >= seq
 
         await wait_until(applied, what=f"{self.worker} seq {seq}")
+        # The batch's other group messages may still be on their way (the
+        # first one of a seq marks it applied): wait until nothing more comes.
+        seen = -1
+        while seen != self.bus.items:
+            seen = self.bus.items
+            await anyio.sleep(0.05)
 
     async def gen(self, step: str, tokens: list[int], mode: str = "incremental") -> Row:
         self._remember(self.hasher.chain(tokens))
