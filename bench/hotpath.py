@@ -44,10 +44,10 @@ RESULTS = ROOT / "bench" / "results"
 CHILD = r"""
 import json, sys, time
 import msgspec
-from bridge.decode.decoder import BatchDecoder
-from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import SubjectBook
+from bridge.producer.decode.decoder import BatchDecoder
+from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.subjects import SubjectBook
 
 path, size, rounds, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 upto = int(sys.argv[5])  # stages run: 1 decode, 2 and normalize, 3 and encode

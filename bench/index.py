@@ -23,7 +23,7 @@ chains, a mix of returning requests (a worker's own request, then unseen
 blocks), new requests on a shared prompt, and misses; p50/p99 over all, and
 per kind.
 
-Today's implementation (`bridge.client.reference_index`) walks every
+Today's implementation (`tests.reference_index`) walks every
 worker's tables for every block: it is measured at 100 workers (and 50, to
 show the scaling), on the same traffic as the first 100 workers of the fleet,
 and the fleet structure is measured at 100 too; both must give the same
@@ -194,9 +194,9 @@ def _digest(matches: list[Any]) -> list[Any]:
 def measure(impl: str, workers: int, traffic: Traffic, n_queries: int, n_answers: int) -> dict[str, Any]:
     """One implementation at one fleet size (run in a child process)."""
     if impl == "fleet":
-        from bridge.contract.residency.index import ResidencyIndex as Index
+        from bridge.residency.index import ResidencyIndex as Index
     else:
-        from bridge.client.reference_index import ReferenceIndex as Index  # type: ignore[assignment]
+        from tests.reference_index import ReferenceIndex as Index  # type: ignore[assignment]
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(list[GroupMessage])
     index = Index()

@@ -30,10 +30,10 @@ import zmq
 from bench.traffic import TS_OFFSET, load
 from bridge.contract import GroupMessage
 from bridge.contract.msgid import new_epoch
-from bridge.decode.decoder import BatchDecoder
-from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import SubjectBook
+from bridge.producer.decode.decoder import BatchDecoder
+from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.subjects import SubjectBook
 
 # Placeholders the encoder writes where the run fills in real values: a
 # uint64 seq (msgpack 0xcf + 8 bytes; 20 decimal digits in the Nats-Msg-Id)

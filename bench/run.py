@@ -48,9 +48,9 @@ import nats.js.errors
 from bench.counter import Counter
 from bench.stats import cpu_seconds, median, memory_mb, own_cpu_seconds, reset_peak_rss
 from bench.traffic import Pool, cached
-from bridge.config import add_run_arguments, load_settings
-from bridge.embedded.nats_server import NatsServerProcess, find_nats_server, free_port
-from bridge.sink.jetstream import stream_config
+from bridge.producer.config import add_run_arguments, load_settings
+from bridge.producer.sink.jetstream import stream_config
+from bridge.runtime.nats_server import NatsServerProcess, find_nats_server, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -642,8 +642,8 @@ Traffic = dict[str, tuple[Path, dict[int, Pool]]]
 FORWARDED_CHILD = r"""
 import json, sys
 import msgspec
-from bridge.decode.decoder import BatchDecoder
-from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+from bridge.producer.decode.decoder import BatchDecoder
+from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
 
 pools = msgspec.msgpack.decode(open(sys.argv[1], "rb").read())
 out = {}

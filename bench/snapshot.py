@@ -67,7 +67,6 @@ import msgspec
 from bench.index import Traffic
 from bench.stats import memory_mb
 from bridge.contract import Event, GroupMessage, KVEventBatch
-from bridge.contract.residency import ResidencyIndex
 from bridge.contract.snapshot import (
     PART_OVERHEAD,
     decode_snapshot,
@@ -77,6 +76,7 @@ from bridge.contract.snapshot import (
     snapshot_subject,
     split,
 )
+from bridge.residency import ResidencyIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -116,8 +116,8 @@ def history(form: str, blocks: int, seed: int) -> list[GroupMessage]:
 
 def encoded(messages: list[GroupMessage]) -> list[Any]:
     """The messages as the bridge hands them to its keeper (its encoder, subjects, ids)."""
-    from bridge.sink.encode import MessageEncoder
-    from bridge.sink.subjects import SubjectBook
+    from bridge.producer.sink.encode import MessageEncoder
+    from bridge.producer.sink.subjects import SubjectBook
 
     encoder = MessageEncoder("msgpack")
     book = SubjectBook("kv", WORKER, 0)
@@ -148,7 +148,7 @@ def _ms(values: list[float]) -> float:
 
 
 def measure_take(form: str, blocks: int, seed: int, runs: int) -> dict[str, Any]:
-    from bridge.snapshot.keeper import ResidencyKeeper
+    from bridge.producer.snapshot.keeper import ResidencyKeeper
 
     outs = encoded(history(form, blocks, seed))
     max_part = DEFAULT_MAX_PAYLOAD - PART_OVERHEAD
@@ -210,7 +210,7 @@ def measure_take(form: str, blocks: int, seed: int, runs: int) -> dict[str, Any]
 def measure_memory(path: Path, traced: bool) -> dict[str, Any]:
     """The keeper's memory (see the module's docstring) over the encoded
     history in `path` (msgpack: [headers, payload] per message)."""
-    from bridge.snapshot.keeper import ResidencyKeeper
+    from bridge.producer.snapshot.keeper import ResidencyKeeper
 
     log = msgspec.msgpack.decode(path.read_bytes(), type=list[tuple[dict[str, str], bytes]])
     gc.collect()
@@ -267,8 +267,8 @@ def _metric(port: int, name: str) -> float:
 async def measure_fetch(form: str, blocks: int, seed: int, fetches: int) -> dict[str, Any]:
     import nats
 
-    from bridge.embedded.nats_server import NatsServerProcess, free_port
-    from bridge.testing.publisher import WirePublisher
+    from bridge.apps.demo.publisher import WirePublisher
+    from bridge.runtime.nats_server import NatsServerProcess, free_port
 
     batches = wire_batches(history(form, blocks, seed))
     pub_port, http = free_port(), free_port()

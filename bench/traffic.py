@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
+from bridge.apps.demo.workload import MAMBA, WINDOW, HybridWorkload
 from bridge.contract import BlockRemoved, BlockStored, KVEventBatch
-from bridge.testing.workload import MAMBA, WINDOW, HybridWorkload
 
 # `[ts, events]` or `[ts, events, rank]`: a fixarray header, then msgspec's float64 (0xcb + 8 bytes).
 TS_OFFSET = 2

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from bridge import __version__
-from bridge.config import ConfigError, Settings, add_run_arguments, load_settings
-from bridge.observe.logging import configure_logging
+from bridge.producer.config import ConfigError, Settings, add_run_arguments, load_settings
+from bridge.runtime.logging import configure_logging
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -21,7 +21,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from bridge.service import run_bridge
+    from bridge.producer.service import run_bridge
 
     settings = _settings(args)
     configure_logging(settings.log_format, settings.log_level)
@@ -31,7 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import anyio
 
-    from bridge.embedded.demo import run_demo
+    from bridge.apps.demo.run import run_demo
 
     settings = _settings(args)
     configure_logging(settings.log_format if args.log_format else "console", settings.log_level if args.log_level else "warning")
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _tool_registrars() -> list:  # type: ignore[type-arg]
     """Consumers' subcommands (tail, watch, ...) register themselves here."""
-    from bridge.tools import commands
+    from bridge.apps import commands
 
     return commands.REGISTRARS
 

@@ -12,10 +12,10 @@ import msgspec
 import nats
 
 from bridge.client.codec import BusCodec
-from bridge.config import OPTIONS, Settings, load_settings
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.embedded.nats_server import free_port
-from bridge.service import Bridge
+from bridge.producer.config import OPTIONS, Settings, load_settings
+from bridge.producer.service import Bridge
+from bridge.runtime.nats_server import free_port
 
 
 def make_settings(**overrides: Any) -> Settings:

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess
+from bridge.runtime.nats_server import NatsServerProcess
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from bridge.sink.acks import AckWindow, ack_error, ack_seq, take_acks
-from bridge.sink.encode import Outgoing
-from bridge.sink.nats_fastpath import BridgeClient
-from bridge.sink.queue import OutBatch
+from bridge.producer.sink.acks import AckWindow, ack_error, ack_seq, take_acks
+from bridge.producer.sink.encode import Outgoing
+from bridge.producer.sink.nats_fastpath import BridgeClient
+from bridge.producer.sink.queue import OutBatch
 
 PREFIX = b"MSG _INBOX.abc."
 
@@ -282,7 +282,7 @@ def test_stored_messages_are_handed_over_in_stream_order_at_once_when_acks_come_
 def test_a_lost_acks_copy_is_handed_over_in_its_stream_place() -> None:
     """0 is stored first but its ack is lost; 1 and 2 are acked; 0 is sent
     again and acked as a duplicate of its first place. A reader of the stream
-    met 0 first, and so must the bridge's residency (bridge.snapshot.keeper):
+    met 0 first, and so must the bridge's residency (bridge.producer.snapshot.keeper):
     handed over in ack order, 0 would land after 1 and 2 (and be dropped as a
     copy where 1 or 2 is of its group)."""
     win = AckWindow("_I")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.embedded.nats_server import nats_server_available
+from bridge.runtime.nats_server import nats_server_available
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("floor", "naive", "minimal", "core", "minimal-js", "jetstream")

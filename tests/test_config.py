@@ -2,14 +2,14 @@ from pathlib import Path
 
 import pytest
 
-from bridge.config import OPTIONS, ConfigError, options_table
+from bridge.producer.config import OPTIONS, ConfigError, options_table
 from tests.busutil import make_settings
 
 
 def test_flag_wins_over_environment_and_env_lists_split_on_commas() -> None:
     import argparse
 
-    from bridge.config import load_settings
+    from bridge.producer.config import load_settings
 
     ns = argparse.Namespace(**{o.dest: None for o in OPTIONS})
     ns.subject_prefix = "flag"
@@ -26,7 +26,7 @@ def test_a_flag_takes_a_comma_separated_list_too() -> None:
     """`--nats-url a,b,c` names three servers, as KVB_NATS_URL=a,b,c does;
     repeated flags and commas mix."""
     from bridge.cli import build_parser
-    from bridge.config import load_settings
+    from bridge.producer.config import load_settings
 
     args = build_parser().parse_args(["run", "--nats-url", "nats://a:4222,nats://b:4222, nats://c:4222",
                                       "--nats-url", "nats://d:4222", "--worker-id", "w"])
@@ -37,7 +37,7 @@ def test_a_flag_takes_a_comma_separated_list_too() -> None:
 def test_worker_id_defaults_to_pod_name() -> None:
     import argparse
 
-    from bridge.config import load_settings
+    from bridge.producer.config import load_settings
 
     ns = argparse.Namespace(**{o.dest: None for o in OPTIONS})
     assert load_settings(ns, {"POD_NAME": "vllm-7"}).worker_id == "vllm-7"
@@ -55,7 +55,7 @@ def test_dp_ranks_expand_ports_like_vllm() -> None:
 def test_secrets_never_in_repr_or_redacted_view(tmp_path: Path) -> None:
     import argparse
 
-    from bridge.config import load_settings
+    from bridge.producer.config import load_settings
 
     ns = argparse.Namespace(**{o.dest: None for o in OPTIONS})
     s = load_settings(ns, {"KVB_NATS_PASSWORD": "hunter2-secret", "KVB_NATS_TOKEN": "tok-secret", "KVB_WORKER_ID": "w",
@@ -88,13 +88,13 @@ def test_bad_values_name_their_option() -> None:
 
 def test_readme_configuration_table_is_current() -> None:
     readme = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
-    assert options_table() in readme, "README's configuration table is stale: paste bridge.config.options_table()"
+    assert options_table() in readme, "README's configuration table is stale: paste bridge.producer.config.options_table()"
 
 
 def test_a_password_without_a_user_is_refused() -> None:
     import argparse
 
-    from bridge.config import load_settings
+    from bridge.producer.config import load_settings
 
     ns = argparse.Namespace(**{o.dest: None for o in OPTIONS})
     with pytest.raises(ConfigError, match="--nats-user"):

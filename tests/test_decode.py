@@ -1,8 +1,8 @@
 import msgspec
 
+from bridge.apps.demo.wire_writer import cleared, encode_batch, removed, stored
 from bridge.contract import AllBlocksCleared, BlockRemoved, BlockStored
-from bridge.decode.decoder import BatchDecodeError, BatchDecoder
-from bridge.testing.wire_writer import cleared, encode_batch, removed, stored
+from bridge.producer.decode.decoder import BatchDecodeError, BatchDecoder
 
 enc = msgspec.msgpack.Encoder().encode
 
@@ -64,7 +64,7 @@ def test_a_payload_that_is_no_batch_raises_a_classified_error() -> None:
 
 def test_relay_keeps_token_ids_as_the_publisher_encoded_them() -> None:
     from bridge.contract import GroupMessage
-    from bridge.decode.wire import RelayBlockStored
+    from bridge.producer.decode.wire import RelayBlockStored
 
     tokens = [0, 127, 128, 70_000, 2**40]
     payload = encode_batch(3.0, [stored([b"\x01" * 32], None, tokens, 16, group_idx=0, kind="full_attention")])
@@ -181,7 +181,7 @@ def test_array_elements_past_the_last_array_field_are_ignored_not_taken_for_map_
 
 def test_array_events_become_the_same_structs_with_or_without_retyping() -> None:
     """The class swap and the fallback that builds each event anew agree."""
-    from bridge.decode.arrays import RETYPE, ArrayRelayEventBatch, as_map_events
+    from bridge.producer.decode.arrays import RETYPE, ArrayRelayEventBatch, as_map_events
 
     assert RETYPE, "this Python and msgspec allow the class swap; the fallback is for those that do not"
     payload = enc([1.0, [["BlockStored", [2**64 - 1], -3, [5, 6], 2, 1, "CPU", "l", [None], 2, "mamba", None, "x"],

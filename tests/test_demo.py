@@ -4,7 +4,7 @@ import io
 
 import anyio
 
-from bridge.embedded.demo import run_demo
+from bridge.apps.demo.run import run_demo
 from tests.busutil import make_settings
 
 

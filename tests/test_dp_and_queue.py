@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.sink.encode import Outgoing
-from bridge.sink.queue import BatchQueue, LostRange, OutBatch
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.wire_writer import encode_batch, stored
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.wire_writer import encode_batch, stored
+from bridge.producer.sink.encode import Outgoing
+from bridge.producer.sink.queue import BatchQueue, LostRange, OutBatch
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, make_settings, running_bridge
 
 

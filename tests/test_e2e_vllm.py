@@ -9,8 +9,8 @@ import pytest
 
 from bridge.contract import BlockRemoved as WireRemoved
 from bridge.contract import BlockStored as WireStored
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.observe.metrics import MALFORMED_REASONS
+from bridge.producer.telemetry.metrics import MALFORMED_REASONS
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, make_settings, metric, running_bridge
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")

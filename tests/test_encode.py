@@ -8,11 +8,11 @@ import msgspec
 import structlog
 
 from bridge.contract import BlockRemoved, GroupMessage, WorkerRecord
-from bridge.normalize.normalizer import StreamIdentity
-from bridge.observe.metrics import Metrics
-from bridge.sink.encode import KEPT_BUFFER_BYTES, MessageEncoder, Outgoing, hpub_frames
-from bridge.sink.framing import Framing
-from bridge.sink.subjects import SubjectBook
+from bridge.producer.normalize.normalizer import StreamIdentity
+from bridge.producer.sink.encode import KEPT_BUFFER_BYTES, MessageEncoder, Outgoing, hpub_frames
+from bridge.producer.sink.framing import Framing
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.producer.telemetry.metrics import Metrics
 
 
 def _parse_head(head: bytes) -> dict[str, str]:

@@ -23,12 +23,12 @@ import msgspec
 import nats
 import pytest
 
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.client.codec import BusCodec
-from bridge.config import DEFAULT_MAX_FRAME_BYTES
 from bridge.contract import HDR_RECORD, HDR_SEQ, WorkerRecord
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.wire_writer import encode_batch, stored
+from bridge.producer.config import DEFAULT_MAX_FRAME_BYTES
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import endpoints
 
 pytestmark = [

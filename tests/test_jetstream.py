@@ -15,12 +15,12 @@ import nats
 import nats.js.api
 import pytest
 
-from bridge.config import Settings
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.service import Bridge
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.producer.config import Settings
+from bridge.producer.service import Bridge
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 
 pytestmark = pytest.mark.anyio
@@ -87,7 +87,7 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
     async def watch(bridge: Bridge) -> None:
         nonlocal peak, gauge_peak
         while True:
-            peak = max(peak, bridge.sink.in_flight()[1])
+            peak = max(peak, bridge.producer.sink.in_flight()[1])
             gauge_peak = max(gauge_peak, metric(bridge, "kvbridge_js_in_flight_messages"))
             await anyio.sleep(0)
 
@@ -104,7 +104,7 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
             # The gauges follow the window and come back to 0 once every ack is in.
             with anyio.fail_after(10):
                 while metric(bridge, "kvbridge_js_in_flight_messages") or metric(bridge, "kvbridge_js_in_flight_bytes"):
-                    assert metric(bridge, "kvbridge_js_in_flight_bytes") == bridge.sink.in_flight()[1]
+                    assert metric(bridge, "kvbridge_js_in_flight_bytes") == bridge.producer.sink.in_flight()[1]
                     await anyio.sleep(0.01)
     finally:
         pub.close()
@@ -301,8 +301,8 @@ async def test_a_resume_point_that_does_not_answer_yet_is_waited_for_not_a_crash
     moment (NoRespondersError). Found at 8c18139 on a three-server cluster: the
     error left the task group and the bridge exited 1. Now it is not ready,
     says so, and tries again."""
-    import bridge.service as service
-    from bridge.sink.jetstream import last_point
+    import bridge.producer.service as service
+    from bridge.producer.sink.jetstream import last_point
 
     calls = {"n": 0}
     readiness: list[bool] = []

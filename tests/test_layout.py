@@ -1,11 +1,14 @@
-"""The package layout's import rules, read from the source with ast:
+"""The package layout's import rules, read from the source with ast.
 
-- `bridge.contract` is a leaf: it imports nothing of `bridge` outside itself,
-  so the bridge and its consumers can both depend on it.
-- the consumers (`bridge.client`, `bridge.tools`) and `bridge.access`, which
-  they share with the bridge, import of `bridge` only the contract, access,
-  the consumers' own packages and the root's `__version__`: never the producer
-  (config, source, decode, normalize, sink, pipeline, service, ...).
+The folder list shows both sides of the bus (docs/index.md draws it):
+
+- `bridge.contract` is a leaf: it imports nothing of `bridge` outside itself.
+- `bridge.residency` (the rules of residency and the fleet index) imports only
+  the contract; `bridge.runtime` (access, a local nats-server, logging,
+  stopping) likewise.
+- `bridge.producer` (the bridge) never imports the client or the apps.
+- `bridge.client` (the consumers' API) never imports the producer or the apps.
+- `bridge.plugin` runs inside vLLM and imports nothing else of `bridge`.
 
 Every import counts, at module level or inside a function or a TYPE_CHECKING block.
 """
@@ -19,7 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 BRIDGE = ROOT / "bridge"
 
-CONSUMER_ALLOWED = ("bridge.contract", "bridge.access", "bridge.client", "bridge.tools")
+RESIDENCY_ALLOWED = ("bridge.contract", "bridge.residency")
+RUNTIME_ALLOWED = ("bridge.contract", "bridge.runtime")
+PRODUCER_ALLOWED = ("bridge.contract", "bridge.residency", "bridge.runtime", "bridge.producer")
+CONSUMER_ALLOWED = ("bridge.contract", "bridge.residency", "bridge.runtime", "bridge.client")
 # The package root holds only the distribution's version, which a tool may print.
 ROOT_VERSION = ("bridge", "bridge.__version__")
 
@@ -85,9 +91,38 @@ def test_contract_imports_nothing_of_the_bridge() -> None:
     assert not found, "bridge.contract must be a leaf:\n" + "\n".join(found)
 
 
+def test_residency_imports_only_the_contract() -> None:
+    found = _violations(_sources("residency"), RESIDENCY_ALLOWED)
+    assert not found, "bridge.residency may import only " + ", ".join(RESIDENCY_ALLOWED) + ":\n" + "\n".join(found)
+
+
+def test_runtime_imports_only_the_contract() -> None:
+    found = _violations(_sources("runtime"), RUNTIME_ALLOWED)
+    assert not found, "bridge.runtime may import only " + ", ".join(RUNTIME_ALLOWED) + ":\n" + "\n".join(found)
+
+
+def test_producer_imports_no_client_or_app() -> None:
+    found = _violations(_sources("producer"), PRODUCER_ALLOWED, ROOT_VERSION)
+    assert not found, "the producer may import only " + ", ".join(PRODUCER_ALLOWED) + ":\n" + "\n".join(found)
+
+
 def test_consumers_import_no_producer_module() -> None:
-    found = _violations(_sources("client", "tools", "access.py"), CONSUMER_ALLOWED, ROOT_VERSION)
+    found = _violations(_sources("client"), CONSUMER_ALLOWED, ROOT_VERSION)
     assert not found, "consumers may import only " + ", ".join(CONSUMER_ALLOWED) + ":\n" + "\n".join(found)
+
+
+def test_the_plugin_imports_nothing_else_of_the_bridge() -> None:
+    found = _violations(_sources("plugin"), ("bridge.plugin",))
+    assert not found, "bridge.plugin runs inside vLLM:\n" + "\n".join(found)
+
+
+def test_the_top_level_is_the_layout() -> None:
+    """The folder list is the drawing: every package of `bridge` is one of the
+    sides, and nothing else sits beside them but the entry point."""
+    packages = {p.name for p in BRIDGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    modules = {p.name for p in BRIDGE.glob("*.py")}
+    assert packages == {"contract", "residency", "runtime", "producer", "client", "apps", "plugin"}, packages
+    assert modules == {"__init__.py", "__main__.py", "cli.py"}, modules
 
 
 def test_the_rules_see_a_violation(tmp_path: Path) -> None:
@@ -96,14 +131,15 @@ def test_the_rules_see_a_violation(tmp_path: Path) -> None:
     probe.write_text(
         "from bridge.contract import GroupMessage\n"
         "from bridge import __version__\n"
-        "from bridge import config\n"
-        "from bridge.sink.queue import OutBatch\n"
-        "from ..normalize import kinds\n"
+        "from bridge.producer import config\n"
+        "from bridge.producer.sink.queue import OutBatch\n"
+        "from ..producer.normalize import kinds\n"
         "def f():\n"
-        "    import bridge.service\n",
+        "    import bridge.producer.service\n",
         encoding="utf-8",
     )
     found = _violations({"bridge.client.probe": probe}, CONSUMER_ALLOWED, ROOT_VERSION)
     modules = {entry.rpartition(": ")[2] for entry in found}
-    assert {"bridge.sink.queue", "bridge.normalize", "bridge.service", "bridge.config"} <= modules, found
+    expected = {"bridge.producer.sink.queue", "bridge.producer.normalize", "bridge.producer.service", "bridge.producer.config"}
+    assert expected <= modules, found
     assert not any(m.startswith("bridge.contract") or m.endswith("__version__") for m in modules), found

@@ -15,11 +15,12 @@ import nats.js.errors
 import pytest
 import structlog
 
-from bridge.config import Settings
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.service import Bridge
-from bridge.sink.nats_fastpath import (
+from bridge.producer.config import Settings
+from bridge.producer.service import Bridge
+from bridge.producer.sink.nats_fastpath import (
     PINNED_NATS_PY,
     FastPath,
     PublicPath,
@@ -28,8 +29,7 @@ from bridge.sink.nats_fastpath import (
     missing_internals,
     select_path,
 )
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, metric, wait_published
 
 pytestmark = pytest.mark.anyio
@@ -64,7 +64,7 @@ def test_the_public_path_can_be_asked_for() -> None:
         assert isinstance(select_path(fast=False), PublicPath)
     assert [(e["event"], e["path"], e["log_level"]) for e in logs] == [("nats_write_path", "public", "info")]
     bridge = Bridge(make_settings(zmq_endpoint=["tcp://127.0.0.1:1"]), nats_fast_path=False)
-    assert bridge.sink.write_path == "public"
+    assert bridge.producer.sink.write_path == "public"
 
 
 class _Bare:
@@ -84,7 +84,7 @@ def test_every_private_name_the_fast_path_uses_is_checked() -> None:
 @asynccontextmanager
 async def _bridge(settings: Settings, fast: bool) -> AsyncIterator[Bridge]:
     bridge = Bridge(settings, nats_fast_path=fast)
-    assert bridge.sink.write_path == ("fast" if fast else "public")
+    assert bridge.producer.sink.write_path == ("fast" if fast else "public")
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(bridge.run, stop)
@@ -153,7 +153,7 @@ async def _jetstream_run(fast: bool, **overrides: str) -> list[tuple[str, GroupM
                     pub.publish(workload.batch(12 if i % 10 else 200))
                 await wait_published(bridge, BATCHES)
                 with anyio.fail_after(10):
-                    while bridge.sink.in_flight() != (0, 0):
+                    while bridge.producer.sink.in_flight() != (0, 0):
                         await anyio.sleep(0.02)
                 assert metric(bridge, "kvbridge_js_refused_total") == 0
         finally:

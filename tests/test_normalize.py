@@ -11,9 +11,9 @@ import msgspec
 import pytest
 
 from bridge.contract import MAX_GROUP_ID, GroupMessage, WorkerRecord, decoder_for, parse_group_kind
-from bridge.decode.decoder import BatchDecoder
-from bridge.normalize import normalizer as normalizer_module
-from bridge.normalize.normalizer import (
+from bridge.producer.decode.decoder import BatchDecoder
+from bridge.producer.normalize import normalizer as normalizer_module
+from bridge.producer.normalize.normalizer import (
     BAD_GROUP,
     MAX_EVENTS_PER_BATCH,
     MAX_MESSAGES_PER_BATCH,
@@ -24,10 +24,10 @@ from bridge.normalize.normalizer import (
     NormalizeStats,
     StreamIdentity,
 )
-from bridge.sink.catalog import GroupCatalog
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.queue import OutBatch
-from bridge.sink.subjects import SubjectBook
+from bridge.producer.sink.catalog import GroupCatalog
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.queue import OutBatch
+from bridge.producer.sink.subjects import SubjectBook
 
 enc = msgspec.msgpack.encode
 IDENT = StreamIdentity(worker="w", dp_rank=0, topic="", epoch=1)

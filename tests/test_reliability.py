@@ -10,11 +10,11 @@ import anyio
 import msgspec
 import pytest
 
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.wire_writer import encode_batch, removed, stored
 from bridge.contract import GroupMessage
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.normalize.normalizer import MAX_MESSAGES_PER_BATCH
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.wire_writer import encode_batch, removed, stored
+from bridge.producer.normalize.normalizer import MAX_MESSAGES_PER_BATCH
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
 
 pytestmark = pytest.mark.anyio

@@ -1,4 +1,4 @@
-from bridge.source.sequencer import SeqTracker, Verdict
+from bridge.producer.source.sequencer import SeqTracker, Verdict
 
 
 def test_in_order_then_gap_then_catch_up_duplicates() -> None:

@@ -13,9 +13,9 @@ import urllib.request
 import anyio
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, endpoints
 
 pytestmark = pytest.mark.anyio

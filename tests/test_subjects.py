@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bridge.contract import escape_token, parse_worker_token, unescape_token, validate_prefix, worker_token
-from bridge.sink.subjects import SubjectBook
+from bridge.producer.sink.subjects import SubjectBook
 
 # What NATS forbids inside one token, and what would make it a wildcard.
 _TOKEN = re.compile(r"^[^\s.*>]+$")

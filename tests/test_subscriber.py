@@ -10,7 +10,7 @@ import anyio.abc
 import pytest
 import zmq
 
-from bridge.source.subscriber import Subscriber
+from bridge.producer.source.subscriber import Subscriber
 
 
 async def _forward(sub: Subscriber, send: anyio.abc.ObjectSendStream[list[list[bytes]]]) -> None:

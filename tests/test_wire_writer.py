@@ -2,7 +2,7 @@
 
 import pytest
 
-from bridge.testing.wire_writer import cleared, encode_batch, removed, stored
+from bridge.apps.demo.wire_writer import cleared, encode_batch, removed, stored
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 

@@ -13,18 +13,18 @@ hybrid-aware residency index, ask it where a request's prefix is cached.
 docs/consumers.md has a complete example and the semantics in full.
 """
 
-from bridge.client.access import DEFAULT_URL, BusConnection, access_settings, add_access_arguments, settings_for
 from bridge.client.bootstrap import BootstrapOptions, SnapshotSource
 from bridge.client.chain import ChainHasher, request_chain
 from bridge.client.codec import BusCodec, BusDecodeError
+from bridge.client.connection import DEFAULT_URL, BusConnection, access_settings, add_access_arguments, settings_for
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.client.subscribe import BusItem, BusMessage, BusSubscriber, Interruption, StartAt, parse_since
 from bridge.contract import GroupMessage, WorkerEntry, WorkerRecord, liveness
-from bridge.contract.residency.hashes import as_int, lookup_keys
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.contract.residency.prefix import PrefixMatch, window_blocks
-from bridge.contract.residency.views import GroupResidency, WorkerKey, WorkerView
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
+from bridge.residency.hashes import as_int, lookup_keys
+from bridge.residency.index import ResidencyIndex
+from bridge.residency.prefix import PrefixMatch, window_blocks
+from bridge.residency.views import GroupResidency, WorkerKey, WorkerView
 
 __all__ = [
     "DEFAULT_URL",

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
-from bridge.contract.residency.index import ResidencyIndex
+from bridge.residency.index import ResidencyIndex
 
 _RETRY_SECONDS = 2.0
 _DELETES = ("DEL", "PURGE")

@@ -23,7 +23,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
-from bridge.client.access import BusConnection
 from bridge.client.bootstrap import (
     BootstrapOptions,
     Found,
@@ -38,9 +37,10 @@ from bridge.client.bootstrap import (
     stream_opening,
 )
 from bridge.client.codec import Body, BusCodec, BusDecodeError
+from bridge.client.connection import BusConnection
 from bridge.contract import DEFAULT_STREAM
-from bridge.contract.residency.index import Interruption
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
+from bridge.residency.index import Interruption
 
 # While fetching snapshots, how often an idle buffering loop looks for messages.
 _TAKE_POLL_S: Final = 0.002

@@ -1,7 +1,7 @@
 """The NATS contract: everything the bridge and its consumers must agree on.
 
 A leaf package: it imports nothing else of `bridge`, so the bridge (producer)
-and the consumers (`bridge.client`, `bridge.tools`) both import it and neither
+and the consumers (`bridge.client`, `bridge.apps`) both import it and neither
 imports the other. One module per part of the agreement:
 
 - `events`: vLLM's KV event structs, as relayed

@@ -4,7 +4,7 @@ They are written from the wire facts (docs/compatibility.md), not imported from
 vLLM, so neither the bridge nor a consumer needs vLLM installed. Decoding
 ignores unknown map keys, so newer vLLM releases keep decoding. These are the
 tagged-map forms (vLLM 0.24.0 and later); the bridge turns every older
-encoding into them (bridge.decode), and relays them with vLLM's required fields
+encoding into them (bridge.producer.decode), and relays them with vLLM's required fields
 required, so vLLM's own structs decode every relayed event.
 """
 

@@ -475,7 +475,7 @@ def test_dashboard_configmap() -> None:
 
 def test_dashboard_metrics_exist_in_the_bridge() -> None:
     """Every metric the dashboard queries is one the bridge exports."""
-    metrics_mod = pytest.importorskip("bridge.observe.metrics")
+    metrics_mod = pytest.importorskip("bridge.producer.telemetry.metrics")
     registry = metrics_mod.Metrics().registry
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
     exported = set()

@@ -17,7 +17,7 @@ from bridge.contract import (
     WorkerRecord,
     family_of,
 )
-from bridge.contract.residency.hashes import as_int
+from bridge.residency.hashes import as_int
 
 ATTN, STATE, WIN, OTHER_G = 0, 1, 2, 3
 KINDS = {ATTN: "full_attention", STATE: "mamba", WIN: "sliding_window", OTHER_G: "cross_attention"}

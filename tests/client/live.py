@@ -7,9 +7,9 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from bridge.client.access import BusConnection
+from bridge.client.connection import BusConnection
 from bridge.client.subscribe import BusSubscriber
-from bridge.contract.residency.index import ResidencyIndex
+from bridge.residency.index import ResidencyIndex
 from tests.busutil import make_settings
 
 

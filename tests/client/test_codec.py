@@ -10,7 +10,7 @@ import pytest
 from bridge.client.codec import BusCodec, BusDecodeError
 from bridge.client.subscribe import StartAt, consumer_config, parse_since
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.contract.residency.hashes import as_int, lookup_keys
+from bridge.residency.hashes import as_int, lookup_keys
 from tests.client.builders import hb, msg, record, stored
 
 GROUP = msg([stored([hb(0), hb(1)])], seq=7)

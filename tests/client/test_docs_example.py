@@ -10,9 +10,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
 
 pytestmark = pytest.mark.anyio

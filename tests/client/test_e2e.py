@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.wire_writer import encode_batch
-from bridge.testing.wire_writer import stored as wire_stored
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.wire_writer import encode_batch
+from bridge.apps.demo.wire_writer import stored as wire_stored
+from bridge.residency.index import ResidencyIndex
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
 from tests.client.builders import hb, hi
 from tests.client.live import live_index, wait_until

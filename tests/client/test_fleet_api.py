@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from bridge.client.subscribe import Interruption
-from bridge.contract.residency.fleet import HashCount, ResidentCount
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.contract.residency.prefix import PrefixMatch
+from bridge.residency.fleet import HashCount, ResidentCount
+from bridge.residency.index import ResidencyIndex
+from bridge.residency.prefix import PrefixMatch
 from tests.client.builders import ATTN, STATE, hb, hi, msg, record, removed, stored
 
 CHAIN = [hb(i) for i in range(8)]

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from bridge.client.reference_index import ReferenceIndex
 from bridge.contract import BlockRemoved, BlockStored
-from bridge.contract.residency.fleet import FleetResidency
-from bridge.contract.residency.index import ResidencyIndex
+from bridge.residency.fleet import FleetResidency
+from bridge.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, removed, stored
 from tests.client.test_index_fleet import _fleet_traffic, audit
+from tests.reference_index import ReferenceIndex
 
 
 def _both(items: list[Any]) -> tuple[ResidencyIndex, ReferenceIndex]:

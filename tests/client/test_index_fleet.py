@@ -19,14 +19,14 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from bridge.client.reference_index import ReferenceIndex
 from bridge.client.subscribe import Interruption
 from bridge.contract import BlockRemoved, BlockStored, GroupMessage
 from bridge.contract.kinds import family_of
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.contract.residency.lean import residency_decoder
-from bridge.contract.residency.prefix import match_view
+from bridge.residency.index import ResidencyIndex
+from bridge.residency.lean import residency_decoder
+from bridge.residency.prefix import match_view
 from tests.client.builders import hb, hi, msg, record
+from tests.reference_index import ReferenceIndex
 
 WORKERS = ("a", "b", "c")
 RANKS = (0, 1)
@@ -158,7 +158,7 @@ class FleetVersusReference(RuleBasedStateMachine):
         self.new = ResidencyIndex()
         self.ref = ReferenceIndex()
         # The same messages read as the bridge's keeper reads them: token ids
-        # left encoded (bridge.contract.residency.lean).
+        # left encoded (bridge.residency.lean).
         self.lean = ResidencyIndex()
         self.epoch = {(w, r): 1 for w in WORKERS for r in RANKS}
         self.seq = 0

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from bridge.client.subscribe import Interruption
 from bridge.contract import GroupMessage
-from bridge.contract.residency.index import ResidencyIndex
+from bridge.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, record, removed, stored
 from tests.client.model import replay
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from bridge.client.subscribe import Interruption
-from bridge.contract.residency.index import ResidencyIndex
 from bridge.contract.snapshot import SnapshotMissing
+from bridge.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, hb, msg, record, removed, stored
 
 CHAIN = [hb(i) for i in range(6)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.contract.residency.prefix import window_blocks
+from bridge.residency.index import ResidencyIndex
+from bridge.residency.prefix import window_blocks
 from tests.client.builders import ATTN, OTHER_G, STATE, WIN, hb, hi, msg, removed, stored
 
 CHAIN = [hb(i) for i in range(8)]

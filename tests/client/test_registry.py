@@ -15,13 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js.kv import VALID_KEY_RE
 
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.contract import GroupInfo, RankInfo, WorkerEntry, decode_entry, liveness, registry_key
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.sink.registry_writer import WorkerRegistry
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.producer.sink.registry_writer import WorkerRegistry
+from bridge.residency.index import ResidencyIndex
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
 from tests.client.live import wait_until
 

@@ -13,9 +13,9 @@ import nats
 import pytest
 
 from bridge.cli import main
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import SubjectBook
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.client.builders import hb, hi, msg, record, removed, stored
 
 pytestmark = pytest.mark.anyio

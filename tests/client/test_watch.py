@@ -14,14 +14,14 @@ import nats
 import pytest
 from rich.console import Console
 
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
+from bridge.apps.watch import RateMeter, build_table
 from bridge.cli import main
 from bridge.contract import GroupInfo, RankInfo, WorkerEntry, encode_entry, registry_key
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.sink.registry_writer import WorkerRegistry
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
-from bridge.tools.watch import RateMeter, build_table
+from bridge.producer.sink.registry_writer import WorkerRegistry
+from bridge.residency.index import ResidencyIndex
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
 from tests.client.builders import hb, msg, record, stored
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.embedded.nats_server import nats_server_available
+from bridge.runtime.nats_server import nats_server_available
 from tests.cluster.harness import NatsCluster
 from tests.cluster.scenario import reported
 

@@ -29,7 +29,7 @@ import nats.js.api
 import nats.js.errors
 
 from bridge.contract import HDR_MSG_ID, GroupMessage, WorkerRecord
-from bridge.embedded.nats_server import find_nats_server, free_port
+from bridge.runtime.nats_server import find_nats_server, free_port
 
 CLUSTER_NAME = "kvb"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import anyio
 
-from bridge.embedded.nats_server import free_port
-from bridge.testing.publisher import WirePublisher
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.runtime.nats_server import free_port
 from tests.cluster.harness import (
     ClusterFigures,
     ClusterNode,

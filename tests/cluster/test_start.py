@@ -11,8 +11,8 @@ import anyio
 import nats
 import pytest
 
-from bridge.embedded.nats_server import free_port
-from bridge.testing.publisher import WirePublisher
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.runtime.nats_server import free_port
 from tests.cluster.harness import NatsCluster, read_stream
 from tests.faults.harness import BridgeProcess, fault_batch, http_get, ident, wait_http
 

@@ -25,12 +25,12 @@ import pytest
 import zmq
 
 from bridge.contract import AllBlocksCleared, BlockRemoved, BlockStored, GroupMessage, WorkerRecord
-from bridge.decode.decoder import BatchDecoder
-from bridge.decode.wire import RelayBlockStored
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.observe.metrics import MALFORMED_REASONS
-from bridge.source.frames import END_SEQ, parse_pub, parse_replay
-from bridge.source.replay import ReplayClient
+from bridge.producer.decode.decoder import BatchDecoder
+from bridge.producer.decode.wire import RelayBlockStored
+from bridge.producer.source.frames import END_SEQ, parse_pub, parse_replay
+from bridge.producer.source.replay import ReplayClient
+from bridge.producer.telemetry.metrics import MALFORMED_REASONS
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, Received, make_settings, metric, running_bridge
 from tests.compat.goldens import END, Golden, all_names, find, index, load, sent_value, token_ids, version_key
 

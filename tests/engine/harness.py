@@ -21,11 +21,11 @@ from typing import Any
 import anyio
 import pytest
 
-from bridge.client.access import BusConnection
+from bridge.client.connection import BusConnection
 from bridge.client.subscribe import BusMessage, BusSubscriber
 from bridge.contract import BlockStored, GroupMessage, WorkerRecord
-from bridge.contract.residency.index import ResidencyIndex
-from bridge.embedded.nats_server import free_port
+from bridge.residency.index import ResidencyIndex
+from bridge.runtime.nats_server import free_port
 from tests.busutil import make_settings
 from tests.engine.models import MODELS
 

@@ -27,7 +27,7 @@ import pytest
 
 from bridge.client import ChainHasher, as_int
 from bridge.contract import ATTENTION
-from bridge.embedded.nats_server import NatsServerProcess
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import wait_until
 from tests.engine.harness import ROOT, Bus, Engine, bus_index, kv_bridge_process, ports, requires_engine
 from tests.engine.models import VOCAB

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess, nats_server_available
+from bridge.runtime.nats_server import NatsServerProcess, nats_server_available
 from tests.faults.harness import reported
 
 if not nats_server_available():  # pragma: no cover - the CI image has it

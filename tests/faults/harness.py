@@ -30,8 +30,8 @@ import msgspec
 import nats
 import nats.js.api
 
+from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.testing.wire_writer import encode_batch, stored
 
 ATTN_GROUP, STATE_GROUP = 0, 2
 GROUPS = (ATTN_GROUP, STATE_GROUP)

@@ -9,9 +9,9 @@ import anyio
 import nats
 import pytest
 
+from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 from tests.faults.harness import (
     BridgeProcess,

@@ -11,8 +11,8 @@ import anyio
 import nats.errors
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import endpoints, make_settings, metric, running_bridge
 from tests.faults.harness import (
     BridgeProcess,

@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 from tests.faults.harness import (
     ATTN_GROUP,

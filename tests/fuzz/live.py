@@ -8,8 +8,8 @@ import time
 
 import anyio
 
+from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.contract import GroupMessage
-from bridge.testing.wire_writer import encode_batch, stored
 from tests.busutil import BusCollector
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import anyio
 import pytest
 
+from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract import GroupMessage
-from bridge.decode.decoder import BatchDecodeError, BatchDecoder
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.normalize.normalizer import (
+from bridge.producer.decode.decoder import BatchDecodeError, BatchDecoder
+from bridge.producer.normalize.normalizer import (
     BAD_GROUP,
     TOO_MANY_EVENTS,
     TOO_MANY_MESSAGES,
@@ -26,10 +26,10 @@ from bridge.normalize.normalizer import (
     NormalizeStats,
     StreamIdentity,
 )
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import SubjectBook
-from bridge.source.frames import FrameError, parse_pub
-from bridge.testing.publisher import WirePublisher
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.producer.source.frames import FrameError, parse_pub
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
 from tests.corpus.make_corpus import MAX_FRAME, read_frames
 from tests.fuzz.live import good_batch, wait_good

@@ -26,16 +26,16 @@ from bridge.contract import (
     WorkerRecord,
     decoder_for,
 )
-from bridge.decode.decoder import BatchDecodeError, BatchDecoder, DecodedBatch
-from bridge.normalize.normalizer import (
+from bridge.producer.decode.decoder import BatchDecodeError, BatchDecoder, DecodedBatch
+from bridge.producer.normalize.normalizer import (
     MAX_MESSAGES_PER_BATCH,
     KindBook,
     Normalizer,
     NormalizeStats,
     StreamIdentity,
 )
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import SubjectBook
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.subjects import SubjectBook
 from tests.fuzz.strategies import any_junk, json_junk, mixed_batch
 
 EXAMPLES = int(os.environ.get("KVB_FUZZ_EXAMPLES", "200"))

@@ -8,8 +8,8 @@ import os
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from bridge.observe.metrics import MALFORMED_REASONS
-from bridge.source.frames import END_SEQ, FrameError, parse_pub, parse_replay
+from bridge.producer.source.frames import END_SEQ, FrameError, parse_pub, parse_replay
+from bridge.producer.telemetry.metrics import MALFORMED_REASONS
 
 EXAMPLES = int(os.environ.get("KVB_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

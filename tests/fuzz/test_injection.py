@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.config import ConfigError
+from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract import (
     SCHEMA_VERSION,
     BlockStored,
@@ -24,17 +24,17 @@ from bridge.contract import (
     validate_prefix,
     worker_token,
 )
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.normalize.normalizer import (
+from bridge.producer.config import ConfigError
+from bridge.producer.normalize.normalizer import (
     KindBook,
     Normalizer,
     NormalizeStats,
     StreamIdentity,
 )
-from bridge.service import Bridge
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import SubjectBook
-from bridge.testing.publisher import WirePublisher
+from bridge.producer.service import Bridge
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, running_bridge
 from tests.fuzz.live import good_batch, wait_good
 

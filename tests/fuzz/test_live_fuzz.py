@@ -13,10 +13,10 @@ import anyio
 import msgspec
 import pytest
 
-from bridge.decode.decoder import BatchDecodeError, BatchDecoder
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
-from bridge.testing.publisher import WirePublisher
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.producer.decode.decoder import BatchDecodeError, BatchDecoder
+from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
 from tests.fuzz.live import good_arrivals, good_batch, template_batch, wait_good
 

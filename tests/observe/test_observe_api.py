@@ -11,12 +11,12 @@ import anyio
 import nats
 import pytest
 
-from bridge.client.access import settings_for
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.wire_writer import encode_batch, stored
+from bridge.apps.fleet import ObserveOptions, ObserveService
 from bridge.client.chain import ChainHasher
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.wire_writer import encode_batch, stored
-from bridge.tools.observe import ObserveOptions, ObserveService
+from bridge.client.connection import settings_for
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, make_settings, running_bridge
 from tests.plugin.hybrid import ATTENTION, MAMBA, WINDOW, patched_events
 

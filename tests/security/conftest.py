@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.embedded.nats_server import nats_server_available
+from bridge.runtime.nats_server import nats_server_available
 from tests.security.secure_nats import Pki, make_pki
 
 if not nats_server_available():  # pragma: no cover - the CI image has it

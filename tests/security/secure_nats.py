@@ -17,7 +17,7 @@ from pathlib import Path
 
 import nkeys
 
-from bridge.embedded.nats_server import NatsServerProcess
+from bridge.runtime.nats_server import NatsServerProcess
 
 # -- TLS -------------------------------------------------------------------------
 

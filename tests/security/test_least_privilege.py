@@ -23,9 +23,9 @@ import nats
 import nats.errors
 import pytest
 
+from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.faults.harness import BridgeProcess, fault_batch, http_get, ident, metric_value, wait_http
 from tests.security.secure_nats import (
     Permissions,

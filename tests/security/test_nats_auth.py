@@ -18,9 +18,9 @@ import anyio
 import nats
 import pytest
 
-from bridge.access import connect_options
-from bridge.embedded.nats_server import NatsServerProcess, free_port
-from bridge.testing.publisher import WirePublisher
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.runtime.access import connect_options
+from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import endpoints, make_settings
 from tests.faults.harness import BridgeProcess, http_get, wait_http
 from tests.fuzz.live import good_batch

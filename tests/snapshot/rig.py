@@ -12,12 +12,12 @@ from typing import Any
 
 import anyio
 
-from bridge.client.access import BusConnection
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
+from bridge.client.connection import BusConnection
 from bridge.client.subscribe import BusSubscriber
-from bridge.contract.residency import ResidencyIndex
-from bridge.embedded.nats_server import free_port
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.residency import ResidencyIndex
+from bridge.runtime.nats_server import free_port
 from tests.busutil import make_settings
 from tests.faults.harness import BridgeProcess, wait_http
 

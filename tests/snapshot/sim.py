@@ -27,16 +27,16 @@ from nats.micro.request import Request
 
 from bridge.contract import HDR_MSG_ID, RecordType
 from bridge.contract.snapshot import PART_OVERHEAD, SNAPSHOT_SERVICE, snapshot_subject
-from bridge.normalize.normalizer import StreamIdentity
-from bridge.observe.metrics import Metrics
-from bridge.sink.acks import AckWindow
-from bridge.sink.encode import MessageEncoder, Outgoing
-from bridge.sink.framing import Framing
-from bridge.sink.queue import OutBatch
-from bridge.sink.subjects import SubjectBook
-from bridge.snapshot.bucket import SnapshotWriter
-from bridge.snapshot.keeper import ResidencyKeeper
-from bridge.snapshot.service import SnapshotService
+from bridge.producer.normalize.normalizer import StreamIdentity
+from bridge.producer.sink.acks import AckWindow
+from bridge.producer.sink.encode import MessageEncoder, Outgoing
+from bridge.producer.sink.framing import Framing
+from bridge.producer.sink.queue import OutBatch
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.producer.snapshot.bucket import SnapshotWriter
+from bridge.producer.snapshot.keeper import ResidencyKeeper
+from bridge.producer.snapshot.service import SnapshotService
+from bridge.producer.telemetry.metrics import Metrics
 
 WORKER: Final = "w"
 PREFIX: Final = "kv"
@@ -97,7 +97,7 @@ class Stream:
         dup = ',"duplicate":true' if duplicate else ""
         return f'{{"stream":"{STREAM}","seq":{seq}{dup}}}'.encode()
 
-    # -- what bridge.sink.jetstream.last_point asks of a JetStreamContext ---
+    # -- what bridge.producer.sink.jetstream.last_point asks of a JetStreamContext ---
 
     async def get_last_msg(self, stream_name: str, subject: str, direct: bool = False) -> RawStreamMsg:
         assert stream_name == STREAM and subject.endswith(".>")
@@ -239,6 +239,6 @@ class ServiceBus:
         self._reply = None
         self.requests += 1
         asked = Msg(_client=self, subject=subject, reply=_REPLY, data=payload)  # type: ignore[arg-type]
-        await bridge.service.answer(ranks[0], Request(asked))
+        await bridge.producer.service.answer(ranks[0], Request(asked))
         assert self._reply is not None, "the service answered nothing"
         return self._reply

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
 from bridge.client.bootstrap import BootstrapOptions
 from bridge.client.subscribe import StartAt
-from bridge.contract.residency import ResidencyIndex
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.residency import ResidencyIndex
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import endpoints, make_settings, running_bridge
 from tests.client.live import live_index, wait_until
 from tests.snapshot.rig import late_index

@@ -6,8 +6,8 @@ import nats
 import pytest
 
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.snapshot.bucket import open_bucket
+from bridge.producer.snapshot.bucket import open_bucket
+from bridge.runtime.nats_server import NatsServerProcess
 
 pytestmark = pytest.mark.anyio
 

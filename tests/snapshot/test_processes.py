@@ -16,13 +16,13 @@ import nats
 import pytest
 from anyio.streams.text import TextReceiveStream
 
-from bridge.client.access import settings_for
 from bridge.client.bootstrap import BootstrapOptions
+from bridge.client.connection import settings_for
 from bridge.client.subscribe import StartAt
 from bridge.contract import DEFAULT_STREAM
-from bridge.contract.residency import ResidencyIndex
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET, SnapshotHead, decode_head, snapshot_key
-from bridge.embedded.nats_server import NatsServerProcess
+from bridge.residency import ResidencyIndex
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import wait_until
 from tests.client.live import live_index
 from tests.faults.harness import http_get, metric_value

@@ -66,12 +66,12 @@ from bridge.client.bootstrap import (
 from bridge.client.codec import BusCodec
 from bridge.client.subscribe import BusMessage
 from bridge.contract import SCHEMA_VERSION, BlockHash, BlockRemoved, BlockStored, GroupMessage, WorkerRecord
-from bridge.contract.residency import ResidencyIndex, WorkerView
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing, decode_head, read_bucket, snapshot_key
-from bridge.sink.encode import Outgoing
-from bridge.sink.jetstream import last_point
-from bridge.sink.queue import OutBatch
-from bridge.snapshot.rebuild import bucket_get, replayed, restore_rank
+from bridge.producer.sink.encode import Outgoing
+from bridge.producer.sink.jetstream import last_point
+from bridge.producer.sink.queue import OutBatch
+from bridge.producer.snapshot.rebuild import bucket_get, replayed, restore_rank
+from bridge.residency import ResidencyIndex, WorkerView
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, removed, stored
 from tests.client.model import replay
 from tests.snapshot.sim import (
@@ -491,7 +491,7 @@ class LateJoinerVersusWatcher(RuleBasedStateMachine):
         self._publish(self.bridge.record(rank, "gap", gap=(first, first + lost - 1), reason="lost"))
 
     def _vllm_restarts(self, rank: int) -> None:
-        """A new vLLM process: a new epoch, seqs from 0 (bridge.pipeline._restart)."""
+        """A new vLLM process: a new epoch, seqs from 0 (bridge.producer.pipeline._restart)."""
         assert self.bridge is not None
         self.bridge.idents[rank].epoch = self._new_epoch()
         self.bridge.framing[rank].restarted()
@@ -519,7 +519,7 @@ class LateJoinerVersusWatcher(RuleBasedStateMachine):
 
     def _start_bridge(self, service: bool = True) -> None:
         """Core NATS: a fresh start per rank, new epochs. JetStream: per rank
-        the stream's resume point (bridge.sink.jetstream.last_point); a rank
+        the stream's resume point (bridge.producer.sink.jetstream.last_point); a rank
         the stream still holds resumes its epoch after a rebuild from the
         bucket and the stream, the others start fresh."""
         points = {r: self.drive(last_point(self.stream, STREAM, subject_base(r))) if self.jetstream else None  # type: ignore[arg-type]

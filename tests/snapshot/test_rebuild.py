@@ -7,9 +7,9 @@ from __future__ import annotations
 import nats
 import pytest
 
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.testing.publisher import WirePublisher
-from bridge.testing.workload import HybridWorkload
+from bridge.apps.demo.publisher import WirePublisher
+from bridge.apps.demo.workload import HybridWorkload
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import endpoints, make_settings, running_bridge, wait_published
 from tests.client.live import live_index, wait_until
 from tests.snapshot.views import view_state

@@ -13,10 +13,10 @@ import pytest
 
 from bridge.contract import BlockStored
 from bridge.contract.msgid import stream_base
-from bridge.contract.residency.lean import LeanStored, token_count
-from bridge.sink.encode import MessageEncoder
-from bridge.sink.subjects import SubjectBook
-from bridge.snapshot.keeper import GARBAGE_STEP, ResidencyKeeper
+from bridge.producer.sink.encode import MessageEncoder
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.producer.snapshot.keeper import GARBAGE_STEP, ResidencyKeeper
+from bridge.residency.lean import LeanStored, token_count
 from tests.client.builders import hi, msg, record, stored
 
 WORKER = "pod-s"

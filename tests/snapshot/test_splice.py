@@ -16,10 +16,10 @@ import pytest
 from bridge.client.bootstrap import BootstrapOptions, splice_buffer
 from bridge.contract import HDR_MSG_ID
 from bridge.contract.snapshot import SnapshotMissing, encode_part, encode_snapshot, snapshot_subject, split
-from bridge.embedded.nats_server import NatsServerProcess
-from bridge.sink.encode import MessageEncoder, Outgoing
-from bridge.sink.subjects import SubjectBook
-from bridge.snapshot.keeper import ResidencyKeeper
+from bridge.producer.sink.encode import MessageEncoder, Outgoing
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.producer.snapshot.keeper import ResidencyKeeper
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import wait_until
 from tests.client.builders import hi, msg, record, stored
 from tests.snapshot.rig import caught_up, late_index

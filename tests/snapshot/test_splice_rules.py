@@ -70,7 +70,7 @@ def test_a_stream_that_rolled_past_a_snapshot_marks_the_rank() -> None:
 def test_a_partial_views_answers_are_stale() -> None:
     """A rank with no snapshot: routers see its answers flagged stale, from
     every query path, until a record resets it."""
-    from bridge.contract.residency import ResidencyIndex
+    from bridge.residency import ResidencyIndex
 
     index = ResidencyIndex()
     index.apply(msg([stored([hb(1), hb(2)])], seq=1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.contract.residency import ResidencyIndex, WorkerView
+from bridge.residency import ResidencyIndex, WorkerView
 
 
 def view_state(view: WorkerView) -> dict[str, Any]:

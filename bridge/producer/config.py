@@ -1,0 +1,255 @@
+"""One validated settings object from `kv-bridge run` flags and `KVB_*` variables.
+
+Every option is declared once in OPTIONS; the parser, the environment lookup and
+the table in docs/configuration.md all come from that list. A flag wins over its variable.
+The NATS access options (servers, subject prefix, credentials, TLS) are declared
+in bridge.runtime.access, which the consumers' tools share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id
+from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
+from bridge.runtime.access import (
+    NATS_AUTH_OPTIONS,
+    NATS_URL,
+    SUBJECT_PREFIX,
+    ConfigError,
+    NatsAccess,
+    Option,
+    check_access,
+    check_prefix,
+    redact_url,
+)
+
+# Per output format: what one frame may cost in memory once decoded stays
+# under the chart's 512 Mi limit (tests/test_hostile.py measures it).
+DEFAULT_MAX_FRAME_BYTES: dict[str, int] = {"msgpack": 8 * 1024 * 1024, "json": 4 * 1024 * 1024}
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--zmq-endpoint", "list", ["tcp://127.0.0.1:5557"],
+           "vLLM PUB endpoint (repeatable; env: comma-separated). With --dp-ranks N, one endpoint stands for ranks 0..N-1 on consecutive ports."),
+    Option("--replay-endpoint", "list", [],
+           "vLLM replay ROUTER endpoint, one per --zmq-endpoint, same order (ports offset by rank like the PUB)."),
+    Option("--dp-ranks", "int", 1, "Data-parallel ranks behind each endpoint; rank r listens on port + r, as vLLM offsets them."),
+    Option("--topic", "str", "", "vLLM's kv-events topic (ZMQ subscription prefix)."),
+    Option("--worker-id", "str", "", "Worker id in subjects and payloads. Default: $POD_NAME, else the host name."),
+    NATS_URL,
+    SUBJECT_PREFIX,
+    Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
+    Option("--group-kind", "list", [], "Pin a group's kind: IDX=KIND (repeatable), e.g. 1=mamba."),
+    Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
+    Option("--max-frame-bytes", "int", 0, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped. 0: 8 MiB with msgpack output, 4 MiB with JSON output (which decodes every field, so a frame costs more memory)."),
+    Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
+    Option("--max-buffered-bytes", "int", 256 * 1024 * 1024, "Encoded bytes held in memory the same way (the bound for large batches); 0 for none."),
+    Option("--zmq-rcvhwm", "int", 100000, "ZMQ SUB receive high-water mark (messages)."),
+    Option("--coalesce-ms", "float", 0.5,
+           "When vLLM batches come less than this apart, wait this long after taking some, so the next few go to NATS in one write (0: never wait). Slower streams and backlogs never wait."),
+    Option("--replay-timeout", "float", 2.0, "Seconds to wait for a replay answer."),
+    Option("--idle-probe-interval", "float", 2.0, "While a publisher is quiet, ask its replay socket this often for batches lost at the tail (0: never)."),
+    Option("--http-host", "str", "0.0.0.0", "Address for /metrics, /healthz, /readyz."),
+    Option("--http-port", "int", 9400, "Port for /metrics, /healthz, /readyz (0: any free port)."),
+    Option("--log-format", "choice", "json", "Log line format.", ("json", "console")),
+    Option("--log-level", "choice", "info", "Log level.", ("debug", "info", "warning", "error")),
+    Option("--drain-timeout", "float", 10.0, "Seconds SIGTERM/SIGINT may take to flush and drain NATS."),
+    Option("--jetstream", "bool", False, "Publish to a JetStream stream with acks and de-duplication, and resume from it on start."),
+    Option("--stream-name", "str", DEFAULT_STREAM, "JetStream stream name (created or verified at start)."),
+    Option("--stream-max-age", "float", 3600.0, "Stream limit: seconds a message is kept."),
+    Option("--stream-max-bytes", "int", 1024 * 1024 * 1024, "Stream limit: bytes kept, oldest messages dropped first (-1: no bound)."),
+    Option("--stream-max-msgs-per-subject", "int", -1, "Stream limit: messages kept per subject (-1: no bound). Costly at high rates: nats-server then deletes one old message of that subject, scattered through its files, for every new one."),
+    Option("--stream-duplicate-window", "float", 120.0, "Stream de-duplication window in seconds (Nats-Msg-Id)."),
+    Option("--stream-replicas", "int", 1,
+           "Replicas of the stream the bridge creates (1-5; 3 on a three-server cluster). An existing stream keeps its own (a differing one is logged)."),
+    Option("--js-max-pending", "int", 16384, "JetStream publishes in flight without an ack: enough to ride out a stream's pauses of a few hundred ms without holding up live delivery (a reconnect sends them again; --js-max-pending-bytes bounds their memory)."),
+    Option("--js-max-pending-bytes", "int", 64 * 1024 * 1024, "Encoded bytes of JetStream publishes in flight without an ack (the window's memory bound for large batches)."),
+    Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
+    Option("--registry-bucket", "str", DEFAULT_BUCKET, "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
+    Option("--heartbeat-interval", "float", 5.0, "Seconds between worker registry heartbeats."),
+    Option("--snapshots", "bool", True,
+           "Keep each rank's residency as consumers will hold it and answer snapshot requests (the "
+           "kv-bridge-snapshot NATS service), so consumers that start late reach the same view."),
+    Option("--snapshot-bucket", "str", DEFAULT_SNAPSHOT_BUCKET,
+           "JetStream mode: key-value bucket keeping each rank's latest snapshot, for consumers that start while "
+           "the bridge is away and for the bridge's own restart; empty disables it."),
+    Option("--snapshot-interval", "float", 30.0, "JetStream mode: seconds between bucket snapshots of a rank that changed."),
+    Option("--snapshot-events", "int", 100000,
+           "JetStream mode: a rank's bucket snapshot is written sooner, once this many events came since the last."),
+    Option("--snapshot-log-bytes", "int", 32 * 1024 * 1024,
+           "Published bytes held for the bridge's residency, applied when idle or for a snapshot; past this "
+           "the bridge is too busy to apply them and lets them go, its snapshots then stale and partial."),
+    *NATS_AUTH_OPTIONS,
+)
+
+
+class Settings(NatsAccess, frozen=True):
+    """Every option of `kv-bridge run`; the NATS access fields come from NatsAccess."""
+
+    zmq_endpoint: list[str]
+    replay_endpoint: list[str]
+    dp_ranks: int
+    topic: str
+    worker_id: str
+    format: str
+    group_kind: dict[int, str]
+    keep_placeholders: bool
+    max_frame_bytes: int
+    max_buffered_batches: int
+    max_buffered_bytes: int
+    zmq_rcvhwm: int
+    coalesce_ms: float
+    replay_timeout: float
+    idle_probe_interval: float
+    http_host: str
+    http_port: int
+    log_format: str
+    log_level: str
+    drain_timeout: float
+    jetstream: bool
+    stream_name: str
+    stream_max_age: float
+    stream_max_bytes: int
+    stream_max_msgs_per_subject: int
+    stream_duplicate_window: float
+    stream_replicas: int
+    js_max_pending: int
+    js_max_pending_bytes: int
+    js_ack_timeout: float
+    registry_bucket: str
+    heartbeat_interval: float
+    snapshots: bool
+    snapshot_bucket: str
+    snapshot_interval: float
+    snapshot_events: int
+    snapshot_log_bytes: int
+
+    def __repr__(self) -> str:  # secrets must never reach a log line through repr
+        return f"Settings(worker_id={self.worker_id!r}, nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
+
+    def redacted(self) -> dict[str, Any]:
+        """What is safe to log: secrets shown only as set or not, and no
+        user:password@ or token@ inside a NATS URL."""
+        # In the option table's order, as the log line lists them.
+        out = {opt.dest: getattr(self, opt.dest) for opt in OPTIONS}
+        out.update(NatsAccess.redacted(self))
+        return out
+
+    def stream_endpoints(self) -> list[tuple[int, str, str | None]]:
+        """(dp_rank, PUB endpoint, replay endpoint or None) for every publisher."""
+        out: list[tuple[int, str, str | None]] = []
+        for i, endpoint in enumerate(self.zmq_endpoint):
+            replay = self.replay_endpoint[i] if i < len(self.replay_endpoint) else None
+            for rank in range(self.dp_ranks):
+                out.append((rank, offset_port(endpoint, rank), offset_port(replay, rank) if replay else None))
+        return out
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """vLLM's rule: tcp ports grow by the rank (0 stays 0), other transports get `_dp<rank>`."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    for opt in OPTIONS:
+        if opt.kind == "secret":
+            continue
+        env_note = f" [env {opt.env}]"
+        if opt.kind == "bool":
+            parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=opt.help + env_note)
+        elif opt.kind == "list":
+            parser.add_argument(opt.flag, dest=opt.dest, action="append", default=None, help=opt.help + env_note)
+        elif opt.kind == "choice":
+            parser.add_argument(opt.flag, dest=opt.dest, choices=opt.choices, default=None, help=opt.help + env_note)
+        else:
+            parser.add_argument(opt.flag, dest=opt.dest, default=None, help=opt.help + env_note)
+
+
+def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    values: dict[str, Any] = {opt.dest: opt.read(args, environ) for opt in OPTIONS}
+    return _validated(values, environ)
+
+
+def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
+    def check(cond: bool, flag: str, problem: str) -> None:
+        if not cond:
+            raise ConfigError(flag, problem)
+
+    check(bool(values["zmq_endpoint"]), "--zmq-endpoint", "at least one endpoint is needed")
+    for endpoint in values["zmq_endpoint"] + values["replay_endpoint"]:
+        check(endpoint.startswith(("tcp://", "ipc://", "inproc://")), "--zmq-endpoint",
+              f"{endpoint!r} is not a tcp://, ipc:// or inproc:// endpoint")
+        if endpoint.startswith("tcp://"):
+            port = endpoint.rpartition(":")[2]
+            check(port.isdigit(), "--zmq-endpoint", f"{endpoint!r} has no numeric port")
+    check(len(values["replay_endpoint"]) <= len(values["zmq_endpoint"]), "--replay-endpoint",
+          "more replay endpoints than --zmq-endpoint")
+    check(1 <= values["dp_ranks"] <= 1024, "--dp-ranks", "must be 1..1024")
+    worker = values["worker_id"] or environ.get("POD_NAME", "") or socket.gethostname()
+    try:
+        values["worker_id"] = validate_worker_id(worker)
+    except ValueError as exc:
+        raise ConfigError("--worker-id", str(exc)) from None
+    check_prefix(values["subject_prefix"])
+    kinds: dict[int, str] = {}
+    for spec in values["group_kind"]:
+        try:
+            idx, kind = parse_group_kind(spec)
+        except ValueError as exc:
+            raise ConfigError("--group-kind", str(exc)) from None
+        kinds[idx] = kind
+    values["group_kind"] = kinds
+    if values["max_frame_bytes"] == 0:
+        values["max_frame_bytes"] = DEFAULT_MAX_FRAME_BYTES[values["format"]]
+    check(values["max_frame_bytes"] >= 1024, "--max-frame-bytes", "must be 0 (the default) or at least 1024")
+    check(values["max_buffered_batches"] >= 1, "--max-buffered-batches", "must be at least 1")
+    check(values["max_buffered_bytes"] == 0 or values["max_buffered_bytes"] >= 1024 * 1024,
+          "--max-buffered-bytes", "must be 0 (no bound) or at least 1 MiB")
+    check(0 <= values["coalesce_ms"] <= 100, "--coalesce-ms", "must be 0..100")
+    check(values["replay_timeout"] > 0, "--replay-timeout", "must be positive")
+    check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
+    check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
+    check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")
+    check(values["stream_max_age"] >= 0, "--stream-max-age", "must be 0 (no bound) or positive")
+    check(values["stream_max_bytes"] == -1 or values["stream_max_bytes"] >= 1024 * 1024, "--stream-max-bytes",
+          "must be -1 (no bound) or at least 1 MiB")
+    check(values["stream_max_msgs_per_subject"] == -1 or values["stream_max_msgs_per_subject"] >= 1,
+          "--stream-max-msgs-per-subject", "must be -1 (no bound) or at least 1")
+    check(values["js_max_pending"] >= 1, "--js-max-pending", "must be at least 1")
+    check(values["js_max_pending_bytes"] >= 1024 * 1024, "--js-max-pending-bytes", "must be at least 1 MiB")
+    check(values["js_ack_timeout"] > 0, "--js-ack-timeout", "must be positive")
+    check(1 <= values["stream_replicas"] <= 5, "--stream-replicas", "must be 1..5 (NATS keeps at most 5 replicas)")
+    check(values["heartbeat_interval"] > 0, "--heartbeat-interval", "must be positive")
+    check(values["snapshot_interval"] >= 1, "--snapshot-interval", "must be at least 1 second")
+    check(values["snapshot_events"] >= 1, "--snapshot-events", "must be at least 1")
+    check(values["snapshot_log_bytes"] >= 1024 * 1024, "--snapshot-log-bytes", "must be at least 1 MiB")
+    settings = msgspec.convert(values, Settings)
+    check_access(settings)
+    return settings
+
+
+def options_table() -> str:
+    """The configuration table of docs/configuration.md, generated so it cannot drift."""
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for opt in OPTIONS:
+        flag = "—" if opt.kind == "secret" else f"`{opt.flag}`"
+        default = opt.default
+        if isinstance(default, list):
+            default = ", ".join(default)
+        if opt.kind == "bool":
+            default = "false" if not default else "true"
+        shown = f"`{default}`" if default not in ("", None) else ""
+        rows.append(f"| {flag} | `{opt.env}` | {shown} | {opt.help} |")
+    return "\n".join(rows)
+

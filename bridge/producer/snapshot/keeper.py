@@ -1,0 +1,260 @@
+"""The residency of the ranks this bridge publishes, as consumers will hold it.
+
+The bridge runs the contract's own residency rules (`bridge.residency`)
+over its own messages, in the order a consumer meets them: in core mode as they
+are written to NATS (the sink hands each written batch over), in JetStream mode
+as the stream stores them (each message with its ack, in stream order: the ack
+window holds back acks that overtook a lost one until its copy is stored), so
+the snapshot names the stream sequence a reader goes on from. A message's
+effect lands on an index only when a snapshot needs it, or while the bridge
+has nothing else to do: until then the keeper only keeps a reference to the
+encoded payload it already made, and the work of decoding and applying it
+stays off the path from vLLM to NATS. The log is bounded by bytes: when the
+bridge is so busy that it grows past the bound, the live stream keeps
+priority and the log is let go, its ranks' views turned stale and partial
+(`ResidencyIndex.lose`), which is what their snapshots then say.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+
+from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, GroupMessage, WorkerRecord
+from bridge.contract import decoder_for as _decoder_for
+from bridge.contract.snapshot import RankSnapshot, encode_snapshot
+from bridge.producer.sink.acks import ack_seq
+from bridge.producer.sink.encode import Outgoing
+from bridge.residency import ResidencyIndex
+from bridge.residency.lean import ResidencyMessage, residency_decoder
+
+log = structlog.get_logger("bridge.producer.snapshot")
+
+# Applied in slices of this long while the bridge is idle, so a batch
+# arriving meanwhile waits no longer than that.
+IDLE_SLICE_S = 0.0005
+# Messages of a let-go log dropped per hand-over, besides two per message
+# handed over: freed faster than the next log fills, so it only shrinks.
+GARBAGE_STEP = 64
+
+
+class _Through:
+    """The last message applied for one rank: its Nats-Msg-Id and, in
+    JetStream mode, the stream sequence a reader goes on from."""
+
+    __slots__ = ("msg_id", "seq")
+
+    def __init__(self, msg_id: str, seq: int = 0) -> None:
+        self.msg_id = msg_id
+        self.seq = seq
+
+
+class ResidencyKeeper:
+    """`max_log_bytes`: encoded bytes held before they are let go; `ranks`:
+    the bridge's dp ranks (what a shed log may have held)."""
+
+    def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024, ranks: Sequence[int] = (0,)) -> None:
+        self.worker = worker
+        self._ranks = tuple(ranks)
+        self.index = ResidencyIndex()
+        self._max_log_bytes = max_log_bytes
+        self._log: deque[tuple[Outgoing, bytes | None]] = deque()
+        # A let-go log, freed a little at a time: dropped at once, a full one
+        # would hold the loop for tens of milliseconds.
+        self._garbage: deque[tuple[Outgoing, bytes | None]] = deque()
+        self.log_bytes = 0
+        self._through: dict[int, _Through] = {}
+        # Group payloads in msgpack decode with their token ids left encoded:
+        # the residency rules only count them (bridge.residency.lean).
+        self._decoders: dict[tuple[str, bool], Any] = {
+            (fmt, record): _decoder_for(fmt, WorkerRecord if record else GroupMessage)
+            for fmt in FORMATS for record in (False, True)
+        }
+        self._decoders[("msgpack", False)] = residency_decoder()
+        # Events (and records) applied per rank: the bucket writer compares
+        # them with what it last wrote.
+        self.applied: dict[int, int] = {}
+        self.undecodable = 0
+        # Times the log was let go, and the messages it held.
+        self.sheds = 0
+        self.shed_messages = 0
+        self._lost = False  # shed while an export ran: the ranks are told at the next catch-up
+        # Exports in progress (worker threads reading the index): nothing is applied meanwhile.
+        self._exporting = 0
+
+    # -- what the sink hands over -----------------------------------------
+
+    def published(self, messages: list[Outgoing]) -> None:
+        """Messages written to NATS (core mode), in order."""
+        log_ = self._log
+        for msg in messages:
+            log_.append((msg, None))
+            self.log_bytes += msg.nbytes
+        self._logged(len(messages))
+
+    def stored(self, msg: Outgoing, ack: bytes) -> None:
+        """A message the stream stored (JetStream mode), with its ack, in
+        stream order (bridge.producer.sink.acks.AckWindow hands them over so)."""
+        self._log.append((msg, ack))
+        self.log_bytes += msg.nbytes
+        self._logged(1)
+
+    def _logged(self, n: int) -> None:
+        """After `n` messages joined the log: bound it, and free some of a let-go one."""
+        if self.log_bytes > self._max_log_bytes:
+            self.shed()
+        if self._garbage:
+            self.free(GARBAGE_STEP + 2 * n)
+
+    def shed(self) -> None:
+        """Lets the log go: applying it now would hold up the live stream,
+        which already runs behind it. Every rank loses what it lacks (once no
+        export reads the index: the next catch-up says so first)."""
+        self._lost = True
+        if not self._exporting:
+            self._mark_lost()
+        log.warning("snapshot_log_shed", messages=len(self._log), bytes=self.log_bytes, ranks=list(self._ranks))
+        self.sheds += 1
+        self.shed_messages += len(self._log)
+        if self._garbage:
+            self._garbage.extend(self._log)
+            self._log.clear()
+        else:
+            self._log, self._garbage = self._garbage, self._log
+        self.log_bytes = 0
+
+    def _mark_lost(self) -> None:
+        for rank in self._ranks:
+            self.index.lose(self.worker, rank)
+        self._lost = False
+
+    def free(self, n: int) -> None:
+        """Drops up to `n` messages of a let-go log."""
+        garbage = self._garbage
+        for _ in range(min(n, len(garbage))):
+            garbage.popleft()
+
+    # -- applying ---------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        return len(self._log)
+
+    @property
+    def garbage(self) -> int:
+        return len(self._garbage)
+
+    def catch_up(self, limit: int = 0, seconds: float = 0.0) -> int:
+        """Applies up to `limit` logged messages (0: all), for at most about
+        `seconds` (0: no bound); returns how many (none while a snapshot is
+        being exported: the log holds them)."""
+        if self._exporting:
+            return 0
+        if self._lost:
+            self._mark_lost()
+        n = 0
+        log_ = self._log
+        end = time.perf_counter() + seconds if seconds else 0.0
+        while log_ and (not limit or n < limit):
+            msg, ack = log_.popleft()
+            self.log_bytes -= msg.nbytes
+            self.apply(msg, ack)
+            n += 1
+            if end and time.perf_counter() >= end:
+                break
+        return n
+
+    async def catch_up_all(self) -> None:
+        """Applies what is logged now, a slice at a time between the loop's
+        other work; waits out an export in progress."""
+        target = self.pending
+        while target > 0 and self._log:
+            n = self.catch_up(target, seconds=IDLE_SLICE_S * 4)
+            target -= n
+            await anyio.sleep(0 if n else 0.005)
+
+    def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
+        """One message of the bus, as a consumer reads it."""
+        self.apply_payload(msg.headers, msg.payload, ack)
+
+    def apply_payload(self, headers: dict[str, str], payload: bytes, ack: bytes | None = None) -> None:
+        fmt = headers.get(HDR_FORMAT, DEFAULT_FORMAT)
+        decoder = self._decoders.get((fmt, HDR_RECORD in headers))
+        try:
+            body = decoder.decode(payload)  # type: ignore[union-attr]
+        except (AttributeError, msgspec.DecodeError, msgspec.ValidationError):
+            self.undecodable += 1
+            return
+        kind = type(body)
+        if kind is ResidencyMessage or kind is GroupMessage:
+            self.index.apply_group(body)
+        else:
+            self.index.apply_record(body)
+        rank = body.dp_rank
+        # A duplicate's ack names the stored copy's (earlier) sequence: the
+        # position a reader goes on from only moves forward.
+        seq = max(0, ack_seq(ack)) if ack is not None else 0
+        last = self._through.get(rank)
+        self._through[rank] = _Through(headers.get(HDR_MSG_ID, ""), seq=max(seq, last.seq if last else 0))
+        events = 1 if kind is WorkerRecord else len(body.events)
+        self.applied[rank] = self.applied.get(rank, 0) + events
+
+    # -- snapshots ----------------------------------------------------------
+
+    def ranks(self) -> list[int]:
+        return sorted(view.key.dp_rank for view in self.index if view.key.worker == self.worker)
+
+    def snapshot(self, dp_rank: int) -> RankSnapshot | None:
+        """The rank's residency after the last message applied; apply the log
+        first (`catch_up`) for the latest. None: nothing known of the rank."""
+        through = self._through.get(dp_rank)
+        return self.index.snapshot(
+            self.worker, dp_rank, through=through.msg_id if through else "",
+            stream_seq=through.seq if through else 0, now=time.time(),
+        )
+
+    async def export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
+        """The rank's snapshot and its encoding, made in a worker thread so
+        the loop goes on reading ZMQ and publishing (a million blocks take a
+        second or more); the index is left alone meanwhile: what comes waits
+        in the log. Apply the log first (`catch_up_all`) for the latest."""
+        if self._lost and not self._exporting:
+            self._mark_lost()
+        self._exporting += 1
+        try:
+            return await anyio.to_thread.run_sync(self._export, dp_rank)
+        finally:
+            self._exporting -= 1
+
+    def _export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
+        snap = self.snapshot(dp_rank)
+        return None if snap is None else (snap, encode_snapshot(snap))
+
+    def forget(self, dp_rank: int) -> None:
+        """The rank's view is gone (a rebuild starts it again)."""
+        view = self.index.view(self.worker, dp_rank)
+        if view is not None:
+            self.index.views.pop(view.key).release()
+        self._through.pop(dp_rank, None)
+
+    def mark_applied(self, dp_rank: int, msg_id: str, stream_seq: int) -> None:
+        """A rebuild read the rank's history through this stream message."""
+        self._through[dp_rank] = _Through(msg_id, seq=stream_seq)
+
+
+async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool]) -> None:
+    """Applies the log while the bridge is `idle` (nothing queued for NATS), a
+    slice at a time, until cancelled."""
+    while True:
+        await anyio.sleep(0.02)
+        while keeper.pending and idle() and keeper.catch_up(seconds=IDLE_SLICE_S):
+            await anyio.sleep(0)
+        while keeper.garbage and idle():
+            keeper.free(GARBAGE_STEP * 16)
+            await anyio.sleep(0)

@@ -1,0 +1,135 @@
+"""A bridge that resumes a JetStream stream (JetStream mode, after a restart)
+rebuilds the residency it knew: per rank, the bucket's latest snapshot, then
+the rank's messages the stream stored after it, read with a consumer filtered
+to the rank's subjects. What it cannot have (no snapshot and a stream that no
+longer starts with the rank's epoch, a stream that dropped messages after the
+snapshot, a read that fails) leaves the rank's view partial: its snapshots
+say so (`complete=False`) until a record empties the view."""
+
+from __future__ import annotations
+
+import nats.errors
+import nats.js
+import nats.js.errors
+import structlog
+from nats.js import api
+from nats.js.kv import KeyValue
+
+from bridge.contract import HDR_MSG_ID
+from bridge.contract.snapshot import RankSnapshot, SnapshotHead, SnapshotUnavailable, read_bucket
+from bridge.producer.snapshot.keeper import ResidencyKeeper
+
+log = structlog.get_logger("bridge.producer.snapshot")
+
+_FETCH = 256
+_FETCH_TIMEOUT_S = 2.0
+
+
+async def bucket_get(kv: KeyValue, key: str) -> bytes | None:
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return entry.value
+
+
+async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, kv: KeyValue | None, *,
+                       stream: str, subject_base: str, dp_rank: int) -> SnapshotHead | None:
+    """The rank's residency as the stream holds it; returns the bucket head
+    it started from (None: none)."""
+    worker = keeper.worker
+    keeper.forget(dp_rank)
+    head = snap = None
+    if kv is not None:
+        try:
+            found = await read_bucket(lambda key: bucket_get(kv, key), worker, dp_rank)
+        except (SnapshotUnavailable, nats.errors.Error) as exc:
+            log.warning("snapshot_bucket_unreadable", dp_rank=dp_rank, error=str(exc)[:200])
+            found = None
+        if found is not None:
+            head, snap = found
+    try:
+        info = await js.stream_info(stream)
+    except (nats.errors.Error, TimeoutError, OSError) as exc:
+        restore_rank(keeper, dp_rank, snap, None)
+        _failed(dp_rank, stream, exc)
+        return head
+    start = restore_rank(keeper, dp_rank, snap, info.state.first_seq)
+    try:
+        applied = await _replay(js, keeper, stream, f"{subject_base}.>", start, dp_rank)
+    except (nats.errors.Error, TimeoutError, OSError) as exc:
+        keeper.index.missing(worker, dp_rank)
+        _failed(dp_rank, stream, exc)
+        return head
+    view = keeper.index.view(worker, dp_rank)
+    log.info("snapshot_rebuilt", dp_rank=dp_rank, from_snapshot=snap is not None, replayed=applied,
+             partial=view.partial if view is not None else None)
+    return head
+
+
+def restore_rank(keeper: ResidencyKeeper, dp_rank: int, snap: RankSnapshot | None, first_seq: int | None) -> int:
+    """The pure start of a rebuild: the rank's view replaced by the bucket's
+    snapshot `snap` (None: none), and marked partial unless the snapshot is
+    complete and the stream (now starting at `first_seq`; None: unknown)
+    still holds every message after it. Returns the stream sequence to replay
+    the rank's messages from (`replayed` applies each)."""
+    keeper.forget(dp_rank)
+    start = 1
+    complete = False
+    if snap is not None:
+        keeper.index.restore(snap)
+        keeper.mark_applied(dp_rank, snap.through, snap.stream_seq)
+        start = snap.stream_seq + 1
+        complete = snap.complete
+    if first_seq is None or first_seq > start:
+        complete = False  # messages after the snapshot (perhaps ours) are gone, or may be
+    if not complete:
+        keeper.index.missing(keeper.worker, dp_rank)
+    return start
+
+
+def replayed(keeper: ResidencyKeeper, dp_rank: int, headers: dict[str, str], data: bytes, stream_seq: int) -> None:
+    """One of the rank's messages the stream holds after the snapshot, in stream order."""
+    keeper.apply_payload(headers, data)
+    keeper.mark_applied(dp_rank, headers.get(HDR_MSG_ID, ""), stream_seq)
+
+
+def _failed(dp_rank: int, stream: str, exc: BaseException) -> None:
+    log.warning("snapshot_rebuild_failed", dp_rank=dp_rank, stream=stream, error=type(exc).__name__,
+                detail=str(exc)[:200])
+
+
+async def _replay(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, stream: str, subject: str, start: int,
+                  dp_rank: int) -> int:
+    """The stream's messages on `subject` from `start`, applied in order."""
+    # Named for the rank, so a least-privilege user may make just this one (docs/security.md).
+    name = f"kvb-rebuild-{subject.rstrip('.>').rpartition('.')[2]}"
+    config = api.ConsumerConfig(
+        name=name, filter_subject=subject, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
+        ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True, num_replicas=1,
+    )
+    info = await js.add_consumer(stream, config)
+    applied = 0
+    try:
+        remaining = info.num_pending
+        if not remaining:
+            return 0
+        sub = await js.pull_subscribe_bind(consumer=name, stream=stream)
+        try:
+            while remaining:
+                try:
+                    msgs = await sub.fetch(_FETCH, timeout=_FETCH_TIMEOUT_S)
+                except nats.errors.TimeoutError:
+                    break
+                for msg in msgs:
+                    replayed(keeper, dp_rank, dict(msg.headers or {}), msg.data, msg.metadata.sequence.stream)
+                    applied += 1
+                    remaining = msg.metadata.num_pending
+        finally:
+            await sub.unsubscribe()
+    finally:
+        try:
+            await js.delete_consumer(stream, name)
+        except Exception as exc:  # it goes by itself after inactive_threshold
+            log.debug("rebuild_consumer_delete_failed", consumer=name, error=type(exc).__name__)
+    return applied

@@ -1,0 +1,127 @@
+"""The snapshot service: a NATS `micro` service (`kv-bridge-snapshot`, found
+with `$SRV.PING`) with one endpoint per rank, at `snapshot_subject(prefix,
+worker, rank)`, answering `SnapshotRequest`s with `SnapshotPart`s
+(bridge.contract.snapshot). Part 0 applies everything logged first, so the
+snapshot is as of the last message the bus has; later parts come from the
+encoded snapshot kept for a while by its id."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats.micro
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.micro.request import Request
+
+from bridge import __version__
+from bridge.contract.snapshot import (
+    PART_OVERHEAD,
+    SNAPSHOT_SERVICE,
+    SnapshotPart,
+    decode_request,
+    encode_part,
+    snapshot_subject,
+    split,
+)
+from bridge.producer.snapshot.keeper import ResidencyKeeper
+from bridge.producer.telemetry.metrics import Metrics
+
+log = structlog.get_logger("bridge.producer.snapshot")
+
+# Encoded snapshots kept for their later parts: how many, and for how long.
+_KEPT = 4
+_KEEP_S = 60.0
+
+
+class SnapshotService:
+    def __init__(self, keeper: ResidencyKeeper, prefix: str, ranks: list[int], metrics: Metrics,
+                 max_payload: Callable[[], int]) -> None:
+        self._keeper = keeper
+        self._prefix = prefix
+        self._ranks = ranks
+        self._metrics = metrics
+        self._max_payload = max_payload
+        self._kept: OrderedDict[str, tuple[float, list[SnapshotPart]]] = OrderedDict()
+        self._next_id = 0
+        self.service: nats.micro.service.Service | None = None
+
+    async def start(self, nc: NatsClient) -> None:
+        worker = self._keeper.worker
+        version = __version__ if __version__[0].isdigit() and "+" not in __version__ else "0.0.0"
+        self.service = await nats.micro.add_service(
+            nc, name=SNAPSHOT_SERVICE, version=version,
+            description="kv-bridge: one worker's residency snapshots, per data-parallel rank",
+            metadata={"worker": worker, "prefix": self._prefix, "ranks": ",".join(map(str, self._ranks))},
+        )
+        for rank in self._ranks:
+            await self.service.add_endpoint(
+                name=f"rank{rank}", subject=snapshot_subject(self._prefix, worker, rank),
+                handler=self._handler(rank), metadata={"worker": worker, "dp_rank": str(rank)},
+            )
+        log.info("snapshot_service_started", subjects=[snapshot_subject(self._prefix, worker, r) for r in self._ranks])
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            service, self.service = self.service, None
+            try:
+                await service.stop()
+            except Exception as exc:  # the connection may be gone already; nothing to undo
+                log.debug("snapshot_service_stop_failed", error=type(exc).__name__)
+
+    def _handler(self, rank: int) -> Callable[[Request], Awaitable[None]]:
+        async def handle(req: Request) -> None:
+            await self.answer(rank, req)
+        return handle
+
+    async def answer(self, rank: int, req: Request) -> None:
+        try:
+            ask = decode_request(req.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._metrics.snapshot_requests.labels("bad_request").inc()
+            await req.respond_error("400", f"bad snapshot request: {str(exc)[:200]}")
+            return
+        if ask.id:
+            kept = self._kept.get(ask.id)
+            if kept is None or not 0 <= ask.part < len(kept[1]) or kept[1][0].dp_rank != rank:
+                self._metrics.snapshot_requests.labels("expired").inc()
+                await req.respond_error("404", f"snapshot {ask.id} part {ask.part} is not kept: ask for a new one")
+                return
+            self._metrics.snapshot_requests.labels("part").inc()
+            await req.respond(encode_part(kept[1][ask.part]))
+            return
+        parts = await self.take(rank)
+        if parts is None:
+            self._metrics.snapshot_requests.labels("unknown_rank").inc()
+            await req.respond_error("404", f"no residency known for rank {rank} yet")
+            return
+        self._metrics.snapshot_requests.labels("taken").inc()
+        await req.respond(encode_part(parts[0]))
+
+    async def take(self, rank: int) -> list[SnapshotPart] | None:
+        """A new snapshot of the rank, as the parts its answers carry."""
+        keeper = self._keeper
+        began = time.perf_counter()
+        # Everything logged so far, in slices: ZMQ and the sink keep going meanwhile.
+        await keeper.catch_up_all()
+        taken = await keeper.export(rank)
+        if taken is None:
+            return None
+        snap, data = taken
+        self._next_id += 1
+        snap_id = f"{snap.epoch}-{int(snap.taken_at * 1000)}-{self._next_id}"
+        parts = split(snap, data, snap_id, max(1024, self._max_payload() - PART_OVERHEAD))
+        self._keep(snap_id, parts)
+        self._metrics.snapshot_bytes.set(len(data))
+        self._metrics.snapshot_seconds.inc(time.perf_counter() - began)
+        return parts
+
+    def _keep(self, snap_id: str, parts: list[SnapshotPart]) -> None:
+        now = time.monotonic()
+        kept = self._kept
+        kept[snap_id] = (now, parts)
+        while len(kept) > _KEPT or (kept and now - next(iter(kept.values()))[0] > _KEEP_S):
+            kept.popitem(last=False)

@@ -1,0 +1,96 @@
+"""Client of vLLM's replay ROUTER: ask from a seq, collect until the end marker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import msgspec
+import structlog
+import zmq
+
+from bridge.producer.source.frames import END_SEQ, Frame, FrameError, parse_replay, socket_limit
+from bridge.producer.source.zmq_io import recv
+
+log = structlog.get_logger("bridge.replay")
+
+# vLLM buffers 10,000 batches; one answer may hold that many, but at most this
+# many frames' worth of bytes (--max-frame-bytes each), 128 MiB by default.
+REPLAY_BUDGET_FRAMES = 16
+REPLAY_RCVHWM = 1000
+
+
+class ReplayResult(msgspec.Struct, gc=False):
+    frames: list[Frame]
+    # The end marker came: the publisher sent all it still buffers.
+    complete: bool
+    rejected: int
+
+
+class ReplayClient:
+    """One DEALER per request: a reply that arrives after a timeout can never be
+    mistaken for the answer to the next request."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        timeout_s: float,
+        max_frame_bytes: int,
+        on_bad_frame: Callable[[FrameError], None],
+    ) -> None:
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._max_frame_bytes = max_frame_bytes
+        # One answer is held whole before its batches are emitted: bounded.
+        self._max_bytes = REPLAY_BUDGET_FRAMES * max_frame_bytes
+        self._on_bad_frame = on_bad_frame
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    async def fetch(self, start_seq: int, stop_after: int | None = None) -> ReplayResult:
+        """Batches with seq >= start_seq. `stop_after` lets the caller give up
+        reading once it has what it needs; the socket is closed either way."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Bounded: what does not fit waits in the publisher's send queue.
+        sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(self._max_frame_bytes))
+        frames: list[Frame] = []
+        held = 0
+        rejected = 0
+        complete = False
+        try:
+            sock.connect(self._endpoint)
+            sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+            with anyio.move_on_after(self._timeout_s):
+                while True:
+                    parts = await recv(sock)
+                    try:
+                        frame = parse_replay(parts, self._max_frame_bytes)
+                    except FrameError as exc:
+                        rejected += 1
+                        self._on_bad_frame(exc)
+                        continue
+                    if frame.seq == END_SEQ:
+                        complete = True
+                        break
+                    frames.append(frame)
+                    if stop_after is not None and frame.seq >= stop_after:
+                        complete = True
+                        break
+                    held += len(frame.payload)
+                    if held > self._max_bytes:
+                        # What is not read now is asked for again, or named by a gap.
+                        log.warning("replay_budget", endpoint=self._endpoint, start_seq=start_seq, got=len(frames),
+                                    max_bytes=self._max_bytes)
+                        break
+        finally:
+            sock.close(linger=0)
+        if not complete:
+            log.warning("replay_timeout", endpoint=self._endpoint, start_seq=start_seq, got=len(frames))
+        return ReplayResult(frames, complete, rejected)
+

@@ -1,0 +1,1 @@
+"""The bridge's own telemetry: its metrics, health and HTTP endpoint."""

@@ -1,1 +1,0 @@
-"""Consumers' command-line tools; they read only the NATS contract."""
