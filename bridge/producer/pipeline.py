@@ -66,7 +66,8 @@ class StreamPipeline:
         )
         self._continuity = Continuity(
             topic=settings.topic.encode("utf-8"), max_frame_bytes=settings.max_frame_bytes, replay=replay,
-            policy=ReplayPolicy(settings.replay_timeout, settings.replay_retries), idle_probe_s=settings.idle_probe_s, metrics=metrics, log=self._log, emit=self._stage.frame,
+            policy=ReplayPolicy(settings.replay_timeout, settings.replay_retries), idle_probe_s=settings.idle_probe_s,
+            metrics=metrics, log=self._log, emit=self._stage.frame,
             gap=self.announce.gap, restart=self._restart, bad_frame=self._bad_frame, timestamp=self._stage.timestamp,
         )
 
