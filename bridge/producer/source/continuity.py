@@ -69,8 +69,6 @@ class Continuity:
         self._check: tuple[int, float] | None = None
         self._unverified = False
         # Healing and idle probes both read replay and emit; one at a time.
-        # A heal cancels a probe under way, so that the live stream never
-        # waits for more than one recovery.
         self._replay_lock = anyio.Lock()
         self._probe_scope: anyio.CancelScope | None = None
         self._last_live = time.monotonic()
@@ -161,7 +159,10 @@ class Continuity:
         return False
 
     async def settle(self, frame: Frame, verdict: Verdict | None) -> None:
-        """A live frame out of order: a gap to heal, or a new process."""
+        """A live frame out of order: a gap to heal, or a new process. An idle
+        probe under way is cancelled first: its answer is of the stream before
+        this frame, and the live stream waits for one recovery at most."""
+        self._cancel_probe()
         if verdict is None:
             # Resumed without a replay answer: a continuing process is already
             # past the stream's last seq, a new one is not.
@@ -204,9 +205,11 @@ class Continuity:
         self.tracker.restart()
         self._on_restart(seq, previous)
 
-    async def _heal(self, live: Frame) -> None:
+    def _cancel_probe(self) -> None:
         if self._probe_scope is not None:
             self._probe_scope.cancel()
+
+    async def _heal(self, live: Frame) -> None:
         async with self._replay_lock:
             if self.tracker.wants(live.seq):
                 await self._heal_locked(live)

@@ -86,6 +86,11 @@ class Recovery:
             if left <= 0 or (until is not None and ask >= until):
                 return Outcome.GAVE_UP
             result = await self._fetch(ask, until, min(policy.timeout_s, left), done)
+            if tracker.next_wanted() != start:
+                # The live stream moved on meanwhile (a probe runs beside it):
+                # this answer is stale, and nothing it skipped is known lost.
+                start, failures, skip, broken = tracker.next_wanted(), 0, 0, False
+                continue
             frames = sorted((f for f in result.frames if tracker.wants(f.seq)), key=lambda f: f.seq)
             if skip:
                 if not (frames or result.complete):
