@@ -437,3 +437,23 @@ async def _until_subscribed(pub: HangingReplay, bus: BusCollector) -> None:
     await pub.subscribed()
     pub.publish(batch(0))
     await bus.wait_for(lambda b: 0 in b.seqs(), timeout=10)
+
+
+async def test_a_replay_socket_nobody_listens_on_costs_one_attempt(nats_server: NatsServerProcess) -> None:
+    """A wrong --replay-endpoint: no connection is ever made, so retrying is
+    no use; each gap costs one --replay-timeout and is named."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), None)
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, replay_timeout="0.5", replay_retries="3")
+    try:
+        async with running_bridge(settings) as bridge:
+            pub.publish(batch(0))
+            await bus.wait_for(lambda b: 0 in b.seqs(), timeout=10)
+            pub.publish(batch(1), drop=True)
+            pub.publish(batch(2))
+            await bus.wait_for(lambda b: 2 in b.seqs(), timeout=10)
+            assert metric(bridge, "kvbridge_replays_total", result="timeout") == 1
+    finally:
+        pub.close()
+        await bus.close()
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(1, 1, "replay_timeout")]

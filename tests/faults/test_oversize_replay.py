@@ -31,6 +31,7 @@ from tests.faults.harness import (
     report,
     wait_http,
     wait_metric,
+    wait_until,
 )
 
 pytestmark = pytest.mark.anyio
@@ -88,6 +89,8 @@ async def test_an_oversize_frame_in_the_replay_range(nats_server: NatsServerProc
         await _publish(pub, warm, set(), rate=100)
         await wait_metric(http, "kvbridge_last_seq", lambda v: v >= warm[-1], dp_rank="0")
         await _publish(pub, burst, burst_bad, rate=0)
+        # the publisher has sent all of it (50 MB frames take a while on a busy machine)
+        await wait_until(lambda: pub.next_seq > burst[-1], timeout=60)
         t0 = time.monotonic()
         # each unreadable frame costs at most one recovery bound; the probe
         # starts within two idle intervals of the silence, after the reconnect

@@ -92,6 +92,9 @@ class Recovery:
                 start, failures, skip, broken = tracker.next_wanted(), 0, 0, False
                 continue
             frames = sorted((f for f in result.frames if tracker.wants(f.seq)), key=lambda f: f.seq)
+            if not (result.connected or frames or result.complete):
+                # Nobody listens on the replay socket: no attempt can do better now.
+                return Outcome.UNANSWERED if until is None else Outcome.GAVE_UP
             if skip:
                 if not (frames or result.complete):
                     skip += 1

@@ -8,6 +8,7 @@ import anyio
 import msgspec
 import structlog
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from bridge.producer.source.frames import END_SEQ, Frame, FrameError, parse_replay, socket_limit
 from bridge.producer.source.zmq_io import wait_readable
@@ -34,6 +35,9 @@ class ReplayResult(msgspec.Struct, gc=False):
     # The connection dropped before the end marker: libzmq cut off a message
     # past ZMQ_MAXMSGSIZE, or the publisher went away.
     cut_off: bool = False
+    # A connection to the replay socket was made at all (nobody listening:
+    # asking again at once is no use).
+    connected: bool = True
 
 
 class ReplayClient:
@@ -70,12 +74,12 @@ class ReplayClient:
         # Bounded: what does not fit waits in the publisher's send queue.
         sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(self._max_frame_bytes))
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        link = _Link(monitor)
         frames: list[Frame] = []
         held = 0
         rejected = 0
         complete = False
-        cut_off = False
         try:
             sock.connect(self._endpoint)
             sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
@@ -86,8 +90,7 @@ class ReplayClient:
                     except zmq.Again:
                         # Only once nothing is queued: what arrived before the
                         # cut is read first.
-                        if _disconnected(monitor):
-                            cut_off = True
+                        if link.cut_off():
                             break
                         await wait_readable(sock, CUT_OFF_POLL_S)
                         continue
@@ -110,20 +113,36 @@ class ReplayClient:
                         log.warning("replay_budget", endpoint=self._endpoint, start_seq=start_seq, got=len(frames),
                                     max_bytes=self._max_bytes)
                         break
+            link.cut_off()
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
-        if cut_off:
+        connected = link.connected or bool(frames) or rejected > 0 or complete
+        if link.disconnected and not complete:
             log.warning("replay_cut_off", endpoint=self._endpoint, start_seq=start_seq, got=len(frames))
         elif not complete:
-            log.warning("replay_timeout", endpoint=self._endpoint, start_seq=start_seq, got=len(frames))
-        return ReplayResult(frames, complete, rejected, cut_off)
+            log.warning("replay_timeout", endpoint=self._endpoint, start_seq=start_seq, got=len(frames),
+                        connected=connected)
+        return ReplayResult(frames, complete, rejected, link.disconnected and not complete, connected)
 
 
-def _disconnected(monitor: zmq.Socket[bytes]) -> bool:
-    try:
-        monitor.recv_multipart(zmq.NOBLOCK)
-    except zmq.Again:
-        return False
-    return True
+class _Link:
+    """What a request's socket monitor said: connected, then cut off?"""
+
+    def __init__(self, monitor: zmq.Socket[bytes]) -> None:
+        self._monitor = monitor
+        self.connected = False
+        self.disconnected = False
+
+    def cut_off(self) -> bool:
+        """Reads the events so far; whether the connection dropped."""
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return self.disconnected
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.disconnected = True
