@@ -8,7 +8,9 @@ moves the start on; one that returns nothing is tried again `retries` times,
 then the first seq still missing is skipped: the next attempt asks from one
 past it. An answer from there proves that the skipped seqs exist but cannot
 be returned, so a `gap` names them (`replay_timeout`) and the stream goes on.
-The whole recovery of one gap takes at most `bound_s`.
+The whole recovery of one gap takes at most `bound_s`. Two failures end it at
+once: an attempt that never connected (nobody listens), and, for an idle probe,
+one that only timed out (nothing shows that a batch is missing).
 """
 
 from __future__ import annotations
@@ -78,8 +80,6 @@ class Recovery:
         start = tracker.next_wanted()
         failures = 0
         skip = 0
-        # An answer from `start` broke (cut off, malformed): something is there.
-        broken = False
         while until is None or tracker.next_wanted() < until:
             ask = start + skip
             left = deadline - time.monotonic()
@@ -89,7 +89,7 @@ class Recovery:
             if tracker.next_wanted() != start:
                 # The live stream moved on meanwhile (a probe runs beside it):
                 # this answer is stale, and nothing it skipped is known lost.
-                start, failures, skip, broken = tracker.next_wanted(), 0, 0, False
+                start, failures, skip = tracker.next_wanted(), 0, 0
                 continue
             frames = sorted((f for f in result.frames if tracker.wants(f.seq)), key=lambda f: f.seq)
             if not (result.connected or frames or result.complete):
@@ -99,22 +99,19 @@ class Recovery:
                 if not (frames or result.complete):
                     skip += 1
                     continue
-                if not (frames or broken or until is not None):
-                    # A probe whose every answer from `start` timed out, and
-                    # nothing after it: no evidence that `start` exists.
-                    return Outcome.UNANSWERED
                 self._gap(start, ask - 1, UNREPLAYABLE)
                 tracker.emitted(ask - 1)
             self._emit(frames, until)
             if result.complete:
                 return Outcome.SETTLED
             if tracker.next_wanted() > start:
-                start, failures, skip, broken = tracker.next_wanted(), 0, 0, False
+                start, failures, skip = tracker.next_wanted(), 0, 0
                 continue
-            bad = result.cut_off or result.rejected > 0
-            if until is None and not bad:
+            if until is None and not (result.cut_off or result.rejected):
+                # A probe that only timed out proves nothing lost (a quiet or
+                # hung publisher): skipping would name seqs that may not exist.
+                # One whose answer broke shows that `start` is there.
                 return Outcome.UNANSWERED
-            broken = broken or bad
             failures += 1
             if failures > policy.retries:
                 skip = 1
