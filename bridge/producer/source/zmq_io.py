@@ -64,10 +64,3 @@ def drain(sock: zmq.Socket[bytes], limit: int, max_bytes: int = 0) -> list[list[
         pass
     return out
 
-
-async def recv(sock: zmq.Socket[bytes]) -> list[bytes]:
-    while True:
-        try:
-            return sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            await wait_readable(sock)
