@@ -302,7 +302,7 @@ class HangingReplay:
     without its end marker, at any seq in `hang_at`: a replay that cannot
     complete, whatever is asked again."""
 
-    def __init__(self, pub_ep: str, replay_ep: str, hang_at: set[int]) -> None:
+    def __init__(self, pub_ep: str, replay_ep: str, hang_at: set[int], garble: bool = False) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # XPUB: sends as PUB does, and shows when the bridge has subscribed
         self._pub = self._ctx.socket(zmq.XPUB)
@@ -312,6 +312,8 @@ class HangingReplay:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(replay_ep.replace("127.0.0.1", "*"))
         self._hang_at = hang_at
+        # `garble`: the answer sends a malformed frame (a 3-byte seq) where it stops
+        self._garble = garble
         self._buffer: list[bytes] = []
         self.asked: list[int] = []
         self._running = True
@@ -339,6 +341,8 @@ class HangingReplay:
             self.asked.append(first)
             for seq in range(first, len(self._buffer)):
                 if seq in self._hang_at:
+                    if self._garble:
+                        self._router.send_multipart([client, b"", b"", b"bad", self._buffer[seq]])
                     break
                 self._router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), self._buffer[seq]])
             else:
@@ -403,6 +407,31 @@ async def test_a_quiet_tail_replay_cannot_return_is_named_once_live_shows_it(nat
         await bus.close()
     assert bus.seqs() == [0, 1, 2, 3, 4, 8]
     assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(5, 7, "replay_timeout")]
+
+
+async def test_a_malformed_replay_answer_in_a_quiet_tail_is_skipped_and_named(
+        nats_server: NatsServerProcess) -> None:
+    """Every answer that reaches seq 6 sends a malformed frame there and
+    stops: the probe takes 5, asks from 6 again once, then skips it, names
+    it, and publishes 7 and 8."""
+    pub_ep, replay_ep = endpoints()
+    pub = HangingReplay(pub_ep, replay_ep, hang_at={6}, garble=True)
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, replay_timeout="0.3", replay_retries="1",
+                                          idle_probe_interval="0.2")
+    try:
+        async with running_bridge(settings) as bridge:
+            await _until_subscribed(pub, bus)
+            for i in range(1, 9):
+                pub.publish(batch(i), drop=i >= 5)
+            await bus.wait_for(lambda b: 8 in b.seqs(), timeout=10)
+            assert metric(bridge, "kvbridge_malformed_total", reason="bad_seq") >= 2
+    finally:
+        pub.close()
+        await bus.close()
+    assert bus.seqs() == [0, 1, 2, 3, 4, 5, 7, 8]
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(6, 6, "replay_timeout")]
+    # one probe: from 5 (cut short at 6), from 6 twice, then past it
+    assert any(pub.asked[i:i + 4] == [5, 6, 6, 7] for i in range(len(pub.asked))), pub.asked
 
 
 async def test_oversize_frames_in_a_quiet_tail_are_skipped_and_named(nats_server: NatsServerProcess) -> None:
