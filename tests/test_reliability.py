@@ -412,8 +412,8 @@ async def test_a_quiet_tail_replay_cannot_return_is_named_once_live_shows_it(nat
 async def test_a_malformed_replay_answer_in_a_quiet_tail_is_skipped_and_named(
         nats_server: NatsServerProcess) -> None:
     """Every answer that reaches seq 6 sends a malformed frame there and
-    stops: the probe takes 5, asks from 6 again once, then skips it, names
-    it, and publishes 7 and 8."""
+    stops: the probe takes 5, asks from 6 again, then skips it, names it,
+    and publishes 7 and 8."""
     pub_ep, replay_ep = endpoints()
     pub = HangingReplay(pub_ep, replay_ep, hang_at={6}, garble=True)
     settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, replay_timeout="0.3", replay_retries="1",
@@ -430,8 +430,9 @@ async def test_a_malformed_replay_answer_in_a_quiet_tail_is_skipped_and_named(
         await bus.close()
     assert bus.seqs() == [0, 1, 2, 3, 4, 5, 7, 8]
     assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(6, 6, "replay_timeout")]
-    # one probe: from 5 (cut short at 6), from 6 twice, then past it
-    assert any(pub.asked[i:i + 4] == [5, 6, 6, 7] for i in range(len(pub.asked))), pub.asked
+    # from 6 a bounded number of times (twice a probe; the first probe's
+    # bound may end before its second), then past it
+    assert 2 <= pub.asked.count(6) <= 4 and pub.asked.index(7) > pub.asked.index(6), pub.asked
 
 
 async def test_oversize_frames_in_a_quiet_tail_are_skipped_and_named(nats_server: NatsServerProcess) -> None:
