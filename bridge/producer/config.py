@@ -57,6 +57,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--coalesce-ms", "float", 0.5,
            "When vLLM batches come less than this apart, wait this long after taking some, so the next few go to NATS in one write (0: never wait). Slower streams and backlogs never wait."),
     Option("--replay-timeout", "float", 2.0, "Seconds to wait for a replay answer."),
+    Option("--replay-retries", "int", 2,
+           "A replay attempt that returns nothing (no answer in time, a frame past the socket limit, a malformed answer) is made again this many times; then its first seq is skipped, and named by a gap once replay answers from past it. One gap's recovery holds the live stream back at most (retries + 2) x --replay-timeout (8 s by default)."),
     Option("--idle-probe-interval", "float", 2.0, "While a publisher is quiet, ask its replay socket this often for batches lost at the tail (0: never)."),
     Option("--http-host", "str", "0.0.0.0", "Address for /metrics, /healthz, /readyz."),
     Option("--http-port", "int", 9400, "Port for /metrics, /healthz, /readyz (0: any free port)."),
@@ -114,6 +116,7 @@ class Settings(NatsAccess, frozen=True):
     zmq_rcvhwm: int
     coalesce_ms: float
     replay_timeout: float
+    replay_retries: int
     idle_probe_interval: float
     http_host: str
     http_port: int
@@ -237,6 +240,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
           "--max-buffered-bytes", "must be 0 (no bound) or at least 1 MiB")
     check(0 <= values["coalesce_ms"] <= 100, "--coalesce-ms", "must be 0..100")
     check(values["replay_timeout"] > 0, "--replay-timeout", "must be positive")
+    check(0 <= values["replay_retries"] <= 10, "--replay-retries", "must be 0..10")
     check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
     check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
     check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")
