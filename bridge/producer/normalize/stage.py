@@ -47,8 +47,8 @@ class NormalizeStage:
         self._stats = NormalizeStats()
 
     def restarted(self) -> None:
-        """A new publisher process: the kinds its groups have are learned anew."""
-        self._normalizer.kinds.forget()
+        """A new publisher process: its groups and their kinds are learned anew."""
+        self._normalizer.restarted()
 
     def timestamp(self, frame: Frame) -> float | None:
         """The batch's vLLM timestamp, if it decodes; nothing is counted."""
