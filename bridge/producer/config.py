@@ -15,9 +15,10 @@ from typing import Any
 
 import msgspec
 
-from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id
+from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id, worker_token
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
 from bridge.runtime.access import (
+    DEFAULT_INBOX_PREFIX,
     NATS_AUTH_OPTIONS,
     NATS_URL,
     SUBJECT_PREFIX,
@@ -202,6 +203,9 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     except ValueError as exc:
         raise ConfigError("--worker-id", str(exc)) from None
     check_prefix(values["subject_prefix"])
+    if not values["nats_inbox_prefix"]:
+        # The name `kv-bridge nats-permissions` gives this bridge's user.
+        values["nats_inbox_prefix"] = f"{DEFAULT_INBOX_PREFIX}.bridge-{worker_token(values['worker_id'], 0)}"
     kinds: dict[int, str] = {}
     for spec in values["group_kind"]:
         try:

@@ -109,10 +109,10 @@ NATS_AUTH_OPTIONS: Final[tuple[Option, ...]] = (
     Option("--nats-tls-ca", "str", "", "CA bundle to verify the NATS server."),
     Option("--nats-tls-cert", "str", "", "Client certificate for mutual TLS."),
     Option("--nats-tls-key", "str", "", "Client key for mutual TLS."),
-    Option("--nats-inbox-prefix", "str", DEFAULT_INBOX_PREFIX,
-           "Subject prefix of this client's reply inboxes. Give each NATS user its own (`kv-bridge "
-           "nats-permissions` prints `_INBOX.<user>`) and allow it only that prefix, so no user reads another's "
-           "replies."),
+    Option("--nats-inbox-prefix", "str", "",
+           "Subject prefix of this client's reply inboxes; each NATS user should have its own, and be allowed "
+           "only that one, so no user reads another's replies (`kv-bridge nats-permissions` prints "
+           "`_INBOX.<user>`). Empty: `_INBOX.bridge-<worker token>` for a bridge, `_INBOX` for the tools."),
 )
 # In the order the tools list them, and the order of NatsAccess's fields.
 ACCESS_OPTIONS: Final[tuple[Option, ...]] = (NATS_URL, SUBJECT_PREFIX, *NATS_AUTH_OPTIONS)
@@ -203,7 +203,7 @@ def check_access(access: NatsAccess) -> None:
     check(bool(access.nats_tls_cert) == bool(access.nats_tls_key), "--nats-tls-cert",
           "client certificate and key go together")
     check(_valid_inbox_prefix(access.nats_inbox_prefix), "--nats-inbox-prefix",
-          f"{access.nats_inbox_prefix!r} is not a subject without wildcards (tokens of letters, digits, _ and -)")
+          f"{access.nats_inbox_prefix!r} is not a subject without wildcards")
     for url in access.nats_url:
         if "://" in url:
             check(url.split("://", 1)[0] in _NATS_SCHEMES, "--nats-url",
@@ -236,8 +236,9 @@ def check_access(access: NatsAccess) -> None:
 
 
 def _valid_inbox_prefix(prefix: str) -> bool:
-    return bool(prefix) and all(
-        token and all(c.isalnum() or c in "_-" for c in token) for token in prefix.split(".")
+    """Empty (the default), or subject tokens without wildcards."""
+    return not prefix or all(
+        token and token.isprintable() and not any(c in token for c in " *>") for token in prefix.split(".")
     )
 
 
@@ -309,7 +310,7 @@ def connect_options(
         # Replies (requests, JetStream API answers and acks, ordered consumers'
         # deliveries) arrive under this prefix only: a user allowed just its
         # own prefix reads nobody else's replies.
-        "inbox_prefix": access.nats_inbox_prefix,
+        "inbox_prefix": access.nats_inbox_prefix or DEFAULT_INBOX_PREFIX,
     }
     password = access.nats_password or (_read_secret(access.nats_password_file) if access.nats_password_file else "")
     token = access.nats_token or (_read_secret(access.nats_token_file) if access.nats_token_file else "")
