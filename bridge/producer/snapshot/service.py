@@ -35,6 +35,8 @@ log = structlog.get_logger("bridge.producer.snapshot")
 # Encoded snapshots kept for their later parts: how many, and for how long.
 _KEPT = 4
 _KEEP_S = 60.0
+# Replies go to inboxes only (every client's inbox prefix starts so).
+INBOX_ROOT = "_INBOX."
 # A request is `{"id": "<epoch>-<ms>-<n>", "part": n}`: far below this.
 MAX_REQUEST_BYTES = 512
 # Error descriptions travel in a header: at most this long, printable ASCII.
@@ -90,7 +92,12 @@ class SnapshotService:
     async def answer(self, rank: int, req: Request) -> None:
         """One request, answered once: a part, or an error whose text is the
         service's own (nothing of the request is echoed but a checked id),
-        and never more than the server's max_payload."""
+        and never more than the server's max_payload. A reply subject that
+        is no inbox gets nothing: with `allow_responses` the answer could
+        otherwise be written anywhere, a stream's subjects included."""
+        if not req._msg.reply.startswith(INBOX_ROOT):
+            self._metrics.snapshot_requests.labels("bad_request").inc()
+            return
         if len(req.data) > MAX_REQUEST_BYTES:
             self._metrics.snapshot_requests.labels("bad_request").inc()
             await self._error(req, "400", f"snapshot request over {MAX_REQUEST_BYTES} bytes")
