@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import nats
 import nats.errors
 import nats.js.api
 import nats.js.errors
-import msgspec
 import pytest
 
 from bridge.apps.permissions import Layout, roles, server_config
@@ -95,7 +95,8 @@ class Client:
             return "no answer"
         hdrs = msg.headers or {}
         if "Nats-Service-Error-Code" in hdrs:
-            return f"error {hdrs['Nats-Service-Error-Code']} ({len(msg.data) + sum(len(k) + len(v) for k, v in hdrs.items())} bytes)"
+            size = len(msg.data) + sum(len(k) + len(v) for k, v in hdrs.items())
+            return f"error {hdrs['Nats-Service-Error-Code']} ({size} bytes)"
         try:
             answer = json.loads(msg.data)
         except ValueError:
