@@ -172,12 +172,16 @@ def _service_discovery(service: str) -> list[str]:
 # -- output ----------------------------------------------------------------
 
 
-def permissions_block(role: Role) -> str:
-    """The role as a nats-server `permissions` block."""
-    pub = ", ".join(json.dumps(x) for x in role.publish)
-    sub = ", ".join(json.dumps(x) for x in role.subscribe)
-    responses = ", allow_responses: true" if role.allow_responses else ""
-    return f"{{ publish: {{ allow: [{pub}] }}, subscribe: {{ allow: [{sub}] }}{responses} }}"
+def permissions_block(role: Role, indent: str = "") -> str:
+    """The role as a nats-server `permissions` block, a subject a line."""
+    def allow(subjects: list[str]) -> str:
+        lines = ",\n".join(f"{indent}    {json.dumps(x)}" for x in subjects)
+        return f"{{ allow: [\n{lines}\n{indent}  ] }}"
+
+    out = f"{{\n{indent}  publish: {allow(role.publish)}\n{indent}  subscribe: {allow(role.subscribe)}\n"
+    if role.allow_responses:
+        out += f"{indent}  allow_responses: true\n"
+    return out + f"{indent}}}"
 
 
 def server_config(all_roles: Sequence[Role], account: str = "KV",
@@ -185,13 +189,13 @@ def server_config(all_roles: Sequence[Role], account: str = "KV",
     """An `accounts` block: one account with JetStream, a user per role.
     `passwords`: user → password (or its bcrypt hash); missing ones are
     printed as a placeholder to replace."""
-    lines = []
+    users = []
     for role in all_roles:
         password = (passwords or {}).get(role.user, f"<bcrypt of {role.user}'s password: nats server passwd>")
-        lines.append(f"      # {role.kind.value}; its client runs with --nats-inbox-prefix {role.inbox_prefix}\n"
+        users.append(f"      # {role.kind.value}; its client runs with --nats-inbox-prefix {role.inbox_prefix}\n"
                      f"      {{ user: {json.dumps(role.user)}, password: {json.dumps(password)},\n"
-                     f"        permissions: {permissions_block(role)} }}")
-    return (f"accounts {{\n  {account}: {{\n    jetstream: enabled\n    users: [\n" + ",\n".join(lines)
+                     f"        permissions: {permissions_block(role, '        ')} }}")
+    return (f"accounts {{\n  {account}: {{\n    jetstream: enabled\n    users: [\n" + ",\n".join(users)
             + "\n    ]\n  }\n}\n")
 
 

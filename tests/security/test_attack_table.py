@@ -419,6 +419,15 @@ async def _open_rows(a: Client, reader: Client, admin: Client) -> list[Row]:
               f"the server stored {grew} copy of a's message on kv.b.7")
     row.verdict = "open (documented)" if grew == 1 else "FAIL: changed, update docs/security.md"
     rows.append(row)
+    await reader.nc.publish("$JS.API.STREAM.INFO.KV_EVENTS", b"", reply="$KV.kv_workers.b")
+    await reader.nc.flush()
+    await anyio.sleep(0.5)
+    entry = (await js.get_last_msg("KV_kv_workers", "$KV.kv_workers.b")).data or b""
+    overwritten = b"stream_info_response" in entry
+    row = Row("JetStream", "reader", "a JetStream read call with b's registry key as the reply subject", OPEN,
+              "b's entry " + ("replaced by the API's answer until b's next heartbeat" if overwritten else "kept"))
+    row.verdict = "open (documented)" if overwritten else "FAIL: changed, update docs/security.md"
+    rows.append(row)
     answer = await reader.request("$JS.API.CONSUMER.CREATE.KV_EVENTS", {
         "stream_name": "KV_EVENTS", "config": {"name": "someone-elses", "ack_policy": "explicit",
                                                "deliver_policy": "all", "filter_subject": "kv.none.>"}})
