@@ -28,7 +28,7 @@ import nats.js.errors
 import pytest
 
 from bridge.apps.permissions import Layout, roles, server_config
-from bridge.contract import GroupMessage
+from bridge.contract import BlockStored, GroupMessage, WorkerRecord
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.faults.harness import http_get, wait_http
 from tests.security.secure_nats import secret_word, start_server
@@ -39,6 +39,9 @@ pytestmark = pytest.mark.anyio
 REFUSED = "refused"
 HARMLESS = "harmless"
 OPEN = "open"
+# The bus delivers it on the publisher's own subject; consumers take the
+# worker from the subject and refuse a payload that names another (issue 24, 1).
+CONSUMER = "consumers refuse"
 
 
 @dataclass
@@ -135,6 +138,8 @@ def judge(row: Row) -> None:
         row.verdict = "ok" if out.startswith("refused") or out.startswith("error 4") else "FAIL"
     elif row.expected == HARMLESS:
         row.verdict = "ok" if not out.startswith("FAIL") else "FAIL"
+    elif row.expected == CONSUMER:
+        row.verdict = "bus: delivered on the publisher's own subject" if out == "delivered" else "FAIL"
     else:
         row.verdict = "open (documented)"
 
@@ -176,11 +181,21 @@ Attempt = tuple[str, str, str, Callable[[], Awaitable[str]]]
 async def _common(mode: str, a: Client, reader: Client) -> list[Attempt]:
     """What both modes share: subjects, records, service subjects, inboxes, requests."""
     big = json.dumps({"id": "x" * (900 * 1024), "part": 1}).encode()
+    forged_group = msgspec.msgpack.encode(GroupMessage(
+        v=1, worker="b", dp_rank=0, epoch=1, seq=1, ts=0.0, group=0, kind="full_attention", family="attention",
+        kind_source="event", events=[BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[], block_size=16,
+                                                 lora_id=None, medium="GPU", lora_name=None)]))
+    forged_restart = msgspec.msgpack.encode(WorkerRecord(v=1, worker="b", dp_rank=0, epoch=2**62, type="restart",
+                                                         ts=0.0))
     return [
         ("bridge a", "publish b's group subject kv.b.0", REFUSED, lambda: a.publish("kv.b.0")),
         ("bridge a", "publish a restart record for b on kv.b.worker", REFUSED, lambda: a.publish("kv.b.worker")),
         ("bridge a", "publish b's rank 1, kv.b-dp1.0", REFUSED, lambda: a.publish("kv.b-dp1.0")),
         ("bridge a", "publish outside the prefix, kvx.b.0", REFUSED, lambda: a.publish("kvx.b.0")),
+        ("bridge a", "a group message saying worker b, on its own kv.a.0", CONSUMER,
+         lambda: a.publish("kv.a.0", forged_group)),
+        ("bridge a", "a restart record for b (a later epoch), on its own kv.a.worker", CONSUMER,
+         lambda: a.publish("kv.a.worker", forged_restart)),
         ("bridge a", "read the events, subscribe kv.>", REFUSED, lambda: a.subscribe("kv.>")),
         ("bridge a", "serve b's snapshots, subscribe kvbridge.snapshot.kv.b", REFUSED,
          lambda: a.subscribe("kvbridge.snapshot.kv.b")),
