@@ -123,12 +123,13 @@ def bridge_role(worker: str, layout: Layout) -> Role:
 
 
 def reader_role(user: str, layout: Layout) -> Role:
-    """Reads: the events, the stream and the buckets, and snapshots from the
-    bridges. Its only consumers are ephemeral ones the server names
+    """Reads: the events, the stream and the buckets, snapshots from the
+    bridges, and answers from observe's service. Its only consumers are ephemeral ones the server names
     (`$JS.API.CONSUMER.CREATE.<stream>` with no name): it cannot name,
     change, read the acks of or delete anyone else's."""
-    prefix = layout.prefix
-    publish = ["$JS.API.INFO", f"{SNAPSHOT_ROOT}.{prefix}.*", f"$SRV.INFO.{SNAPSHOT_SERVICE}"]
+    prefix, base = layout.prefix, layout.observe_subject
+    publish = ["$JS.API.INFO", f"{SNAPSHOT_ROOT}.{prefix}.*", f"$SRV.INFO.{SNAPSHOT_SERVICE}",
+               f"{base}.prefix", f"{base}.workers", f"$SRV.PING.{OBSERVE_SERVICE}", f"$SRV.INFO.{OBSERVE_SERVICE}"]
     for name in _streams(layout):
         publish += [f"$JS.API.STREAM.INFO.{name}", f"$JS.API.STREAM.MSG.GET.{name}",
                     f"$JS.API.DIRECT.GET.{name}", f"$JS.API.DIRECT.GET.{name}.>",
