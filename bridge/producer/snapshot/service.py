@@ -151,8 +151,10 @@ class SnapshotService:
         position = (keeper.applied.get(rank, 0), keeper.sheds)
         last = self._last.get(rank)
         if last is not None and last[0] == position and last[1] in self._kept:
-            self._kept.move_to_end(last[1])
-            return self._kept[last[1]][1]
+            # kept anew from now: its later parts are asked for after this answer
+            parts = self._kept.pop(last[1])[1]
+            self._keep(last[1], parts)
+            return parts
         taken = await keeper.export(rank)
         if taken is None:
             return None
