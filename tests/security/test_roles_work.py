@@ -1,8 +1,9 @@
 """The generated roles are enough for what each process does: a bridge
 (JetStream) under its `bridge-<w>` user, `observe` under its own `observe`
 user (reading the bus and the registry, answering its NATS service), and a
-reader asking observe over NATS, each on its own inbox prefix, against a
-nats-server configured from `kv-bridge nats-permissions`."""
+reader asking observe over NATS (bad queries get short errors), each on
+its own inbox prefix, against a nats-server configured from `kv-bridge
+nats-permissions`."""
 
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ async def test_bridge_observe_and_reader_under_generated_users(tmp_path: Path) -
                 assert [w["worker"] for w in answer["workers"]] == ["pod-a"]
                 ping = json.loads((await reader.request("$SRV.PING.kv-observe", b"", timeout=5)).data)
                 assert ping["name"] == "kv-observe"
+                # bad queries get a short error; nothing of them is echoed
+                for body in (b"\xff" * (900 * 1024), json.dumps({"chain": ["ab"] * 70_000}).encode(), b"{\r\nX: y"):
+                    bad = await reader.request("kvobserve.prefix", body, timeout=5)
+                    assert bad.headers is not None and bad.headers["Nats-Service-Error-Code"] == "400"
+                    why = bad.headers["Nats-Service-Error"]
+                    assert len(why) <= 200 and why.isprintable() and len(bad.data) < 400, (why, len(bad.data))
             finally:
                 await reader.close()
             tg.cancel_scope.cancel()
