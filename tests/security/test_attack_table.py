@@ -434,6 +434,15 @@ async def _open_rows(a: Client, reader: Client, admin: Client) -> list[Row]:
               f"the server stored {grew} copy of a's message on kv.b.7")
     row.verdict = "open (documented)" if grew == 1 else "FAIL: changed, update docs/security.md"
     rows.append(row)
+    before = await b_count()
+    await reader.nc.publish("$SRV.INFO.kv-bridge-snapshot", b"", reply="kv.b.6")
+    await reader.nc.flush()
+    await anyio.sleep(0.5)
+    grew = await b_count() - before
+    row = Row("JetStream", "reader", "service discovery ($SRV.INFO) with kv.b.6 as the reply subject", OPEN,
+              f"{grew} bridges' service descriptions (JSON, no group message) stored on kv.b.6")
+    row.verdict = "open (documented)" if grew >= 1 else "FAIL: changed, update docs/security.md"
+    rows.append(row)
     await reader.nc.publish("$JS.API.STREAM.INFO.KV_EVENTS", b"", reply="$KV.kv_workers.b")
     await reader.nc.flush()
     await anyio.sleep(0.5)
