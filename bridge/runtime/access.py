@@ -112,7 +112,8 @@ NATS_AUTH_OPTIONS: Final[tuple[Option, ...]] = (
     Option("--nats-inbox-prefix", "str", "",
            "Subject prefix of this client's reply inboxes; each NATS user should have its own, and be allowed "
            "only that one, so no user reads another's replies (`kv-bridge nats-permissions` prints "
-           "`_INBOX.<user>`). Empty: `_INBOX.bridge-<worker token>` for a bridge, `_INBOX` for the tools."),
+           "`_INBOX.<user>`; it must start with `_INBOX`). Empty: `_INBOX.bridge-<worker token>` for a bridge, "
+           "`_INBOX` for the tools."),
 )
 # In the order the tools list them, and the order of NatsAccess's fields.
 ACCESS_OPTIONS: Final[tuple[Option, ...]] = (NATS_URL, SUBJECT_PREFIX, *NATS_AUTH_OPTIONS)
@@ -203,7 +204,7 @@ def check_access(access: NatsAccess) -> None:
     check(bool(access.nats_tls_cert) == bool(access.nats_tls_key), "--nats-tls-cert",
           "client certificate and key go together")
     check(_valid_inbox_prefix(access.nats_inbox_prefix), "--nats-inbox-prefix",
-          f"{access.nats_inbox_prefix!r} is not a subject without wildcards")
+          f"{access.nats_inbox_prefix!r} is not _INBOX or _INBOX.<tokens without wildcards>")
     for url in access.nats_url:
         if "://" in url:
             check(url.split("://", 1)[0] in _NATS_SCHEMES, "--nats-url",
@@ -236,10 +237,11 @@ def check_access(access: NatsAccess) -> None:
 
 
 def _valid_inbox_prefix(prefix: str) -> bool:
-    """Empty (the default), or subject tokens without wildcards."""
-    return not prefix or all(
-        token and token.isprintable() and not any(c in token for c in " *>") for token in prefix.split(".")
-    )
+    """Empty (the default), or `_INBOX` and more tokens without wildcards:
+    the bridges answer requests only on reply subjects under `_INBOX.`."""
+    tokens = prefix.split(".")
+    return not prefix or (tokens[0] == DEFAULT_INBOX_PREFIX and all(
+        token and token.isprintable() and not any(c in token for c in " *>") for token in tokens))
 
 
 def _read(path: str) -> str:

@@ -13,9 +13,12 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.micro
+import nats.micro.service
 import structlog
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.micro.request import Request
+from nats.micro.service import ServiceConfig
 
 from bridge import __version__
 from bridge.contract.snapshot import (
@@ -47,6 +50,29 @@ def _printable(text: str) -> str:
     return "".join(c if " " <= c <= "~" else "?" for c in text[:_MAX_DESCRIPTION])
 
 
+def _to_inbox(msg: Msg) -> bool:
+    return bool(msg.reply) and msg.reply.startswith(INBOX_ROOT)
+
+
+class _InboxOnlyService(nats.micro.service.Service):
+    """nats-py's service, whose discovery (`$SRV.PING`, `INFO`, `STATS`)
+    answers on inbox reply subjects only: under `allow_responses` a
+    requester could otherwise have the answer written on any subject, a
+    stream's included."""
+
+    async def _handle_ping_request(self, msg: Msg) -> None:
+        if _to_inbox(msg):
+            await super()._handle_ping_request(msg)
+
+    async def _handle_info_request(self, msg: Msg) -> None:
+        if _to_inbox(msg):
+            await super()._handle_info_request(msg)
+
+    async def _handle_stats_request(self, msg: Msg) -> None:
+        if _to_inbox(msg):
+            await super()._handle_stats_request(msg)
+
+
 class SnapshotService:
     def __init__(self, keeper: ResidencyKeeper, prefix: str, ranks: list[int], metrics: Metrics,
                  max_payload: Callable[[], int]) -> None:
@@ -64,11 +90,12 @@ class SnapshotService:
     async def start(self, nc: NatsClient) -> None:
         worker = self._keeper.worker
         version = __version__ if __version__[0].isdigit() and "+" not in __version__ else "0.0.0"
-        self.service = await nats.micro.add_service(
-            nc, name=SNAPSHOT_SERVICE, version=version,
+        self.service = _InboxOnlyService(nc, ServiceConfig(
+            name=SNAPSHOT_SERVICE, version=version,
             description="kv-bridge: one worker's residency snapshots, per data-parallel rank",
             metadata={"worker": worker, "prefix": self._prefix, "ranks": ",".join(map(str, self._ranks))},
-        )
+        ))
+        await self.service.start()
         for rank in self._ranks:
             await self.service.add_endpoint(
                 name=f"rank{rank}", subject=snapshot_subject(self._prefix, worker, rank),
@@ -95,7 +122,7 @@ class SnapshotService:
         and never more than the server's max_payload. A reply subject that
         is no inbox gets nothing: with `allow_responses` the answer could
         otherwise be written anywhere, a stream's subjects included."""
-        if not req._msg.reply.startswith(INBOX_ROOT):
+        if not _to_inbox(req._msg):
             self._metrics.snapshot_requests.labels("bad_request").inc()
             return
         if len(req.data) > MAX_REQUEST_BYTES:
