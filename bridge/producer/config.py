@@ -15,10 +15,11 @@ from typing import Any
 
 import msgspec
 
-from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id
+from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id, worker_token
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
 from bridge.producer.source.discovery import Source
 from bridge.runtime.access import (
+    DEFAULT_INBOX_PREFIX,
     NATS_AUTH_OPTIONS,
     NATS_URL,
     SUBJECT_PREFIX,
@@ -49,6 +50,10 @@ OPTIONS: tuple[Option, ...] = (
     SUBJECT_PREFIX,
     Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
     Option("--group-kind", "list", [], "Pin a group's kind: IDX=KIND (repeatable), e.g. 1=mamba."),
+    Option("--prompt-data", "choice", "redact",
+           "What relayed stores say of the prompt. redact: token ids become as many zeros, extra_keys (which "
+           "carry cache_salt) and lookahead token ids go; relay: as vLLM sent them, for consumers that hash "
+           "tokens themselves (docs/security.md).", ("redact", "relay")),
     Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
     Option("--max-frame-bytes", "int", 0, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped. 0: 8 MiB with msgpack output, 4 MiB with JSON output (which decodes every field, so a frame costs more memory)."),
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
@@ -109,6 +114,7 @@ class Settings(NatsAccess, frozen=True):
     worker_id: str
     format: str
     group_kind: dict[int, str]
+    prompt_data: str
     keep_placeholders: bool
     max_frame_bytes: int
     max_buffered_batches: int
@@ -224,6 +230,9 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     except ValueError as exc:
         raise ConfigError("--worker-id", str(exc)) from None
     check_prefix(values["subject_prefix"])
+    if not values["nats_inbox_prefix"]:
+        # The name `kv-bridge nats-permissions` gives this bridge's user.
+        values["nats_inbox_prefix"] = f"{DEFAULT_INBOX_PREFIX}.bridge-{worker_token(values['worker_id'], 0)}"
     kinds: dict[int, str] = {}
     for spec in values["group_kind"]:
         try:

@@ -57,7 +57,7 @@ class StreamPipeline:
         self._stage = NormalizeStage(
             self.ident, BatchDecoder(relay=encoder.format == "msgpack"),
             Normalizer(KindBook(settings.pinned_kinds), settings.keep_placeholders), metrics, self._log,
-            deliver=self._deliver, gap=self.announce.gap,
+            deliver=self._deliver, gap=self.announce.gap, redact_prompts=settings.redact_prompts,
         )
         replay = (
             ReplayClient(ctx, plan.replay_endpoint, settings.replay_timeout, settings.max_frame_bytes, self._bad_frame)

@@ -344,6 +344,15 @@ stops after vLLM.
     timeoutSeconds: {{ $b.livenessProbe.timeoutSeconds }}
     failureThreshold: {{ $b.livenessProbe.failureThreshold }}
   {{- end }}
+  {{- if $b.readinessProbe.enabled }}
+  readinessProbe:
+    httpGet:
+      path: /readyz
+      port: kvb-metrics
+    periodSeconds: {{ $b.readinessProbe.periodSeconds }}
+    timeoutSeconds: {{ $b.readinessProbe.timeoutSeconds }}
+    failureThreshold: {{ $b.readinessProbe.failureThreshold }}
+  {{- end }}
   {{- with $b.resources }}
   resources:
     {{- toYaml . | nindent 4 }}
