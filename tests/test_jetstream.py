@@ -87,7 +87,7 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
     async def watch(bridge: Bridge) -> None:
         nonlocal peak, gauge_peak
         while True:
-            peak = max(peak, bridge.producer.sink.in_flight()[1])
+            peak = max(peak, bridge.sink.in_flight()[1])
             gauge_peak = max(gauge_peak, metric(bridge, "kvbridge_js_in_flight_messages"))
             await anyio.sleep(0)
 
@@ -104,7 +104,7 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
             # The gauges follow the window and come back to 0 once every ack is in.
             with anyio.fail_after(10):
                 while metric(bridge, "kvbridge_js_in_flight_messages") or metric(bridge, "kvbridge_js_in_flight_bytes"):
-                    assert metric(bridge, "kvbridge_js_in_flight_bytes") == bridge.producer.sink.in_flight()[1]
+                    assert metric(bridge, "kvbridge_js_in_flight_bytes") == bridge.sink.in_flight()[1]
                     await anyio.sleep(0.01)
     finally:
         pub.close()

@@ -153,7 +153,7 @@ async def _jetstream_run(fast: bool, **overrides: str) -> list[tuple[str, GroupM
                     pub.publish(workload.batch(12 if i % 10 else 200))
                 await wait_published(bridge, BATCHES)
                 with anyio.fail_after(10):
-                    while bridge.producer.sink.in_flight() != (0, 0):
+                    while bridge.sink.in_flight() != (0, 0):
                         await anyio.sleep(0.02)
                 assert metric(bridge, "kvbridge_js_refused_total") == 0
         finally:
