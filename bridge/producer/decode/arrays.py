@@ -9,7 +9,8 @@ BlockRemoved `[tag, block_hashes, medium (0.10.2), group_idx (0.20.0)]`,
 AllBlocksCleared `[tag]`; trailing defaults left off.
 
 Each array struct here is a subclass of the map struct the bridge relays, with
-the same fields: decoded as an array, it becomes the map struct by taking that
+the same fields (through the lenient map structs, which hold vLLM's defaults
+for what a release leaves off): decoded as an array, it becomes the map struct by taking that
 class (`__class__` assignment, which CPython allows between classes of one
 layout). That costs a tenth of building a new struct per event. Positions past
 the last field any array release sent are decoded as anything and blanked, so
@@ -24,17 +25,20 @@ from typing import Any, Final, Union
 
 import msgspec
 
-from bridge.contract import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
-from bridge.producer.decode.wire import CLEARED, EMPTY_RAW_ARRAY, NIL_RAW, RelayBlockStored
+from bridge.contract import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from bridge.contract.events import EventBatch
+from bridge.producer.decode.wire import (
+    CLEARED,
+    EMPTY_RAW_ARRAY,
+    NIL_RAW,
+    LenientBlockRemoved,
+    LenientBlockStored,
+    LenientRelayBlockStored,
+    RelayBlockStored,
+)
 
 
-class ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+class ArrayBlockStored(LenientBlockStored, array_like=True, tag="BlockStored"):
     # Never sent in array form: whatever stands there is dropped.
     locality: Any = None
     ownership: Any = None
@@ -43,13 +47,7 @@ class ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
     placeholder: Any = False
 
 
-class ArrayRelayBlockStored(RelayBlockStored, array_like=True, tag="BlockStored"):
-    parent_block_hash: BlockHash | None = None
-    token_ids: msgspec.Raw = EMPTY_RAW_ARRAY
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+class ArrayRelayBlockStored(LenientRelayBlockStored, array_like=True, tag="BlockStored"):
     locality: Any = None
     ownership: Any = None
     session_id: Any = None
@@ -58,8 +56,7 @@ class ArrayRelayBlockStored(RelayBlockStored, array_like=True, tag="BlockStored"
     placeholder: Any = False
 
 
-class ArrayBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
-    medium: str | None = None
+class ArrayBlockRemoved(LenientBlockRemoved, array_like=True, tag="BlockRemoved"):
     locality: Any = None
     ownership: Any = None
 
@@ -72,32 +69,28 @@ ArrayEvent = Union[ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]
 ArrayRelayEvent = Union[ArrayRelayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]
 
 
-class ArrayEventBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[ArrayEvent]
-    data_parallel_rank: int | None = None
+class ArrayEventBatch(EventBatch[ArrayEvent]):
+    pass
 
 
-class ArrayRelayEventBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[ArrayRelayEvent]
-    data_parallel_rank: int | None = None
+class ArrayRelayEventBatch(EventBatch[ArrayRelayEvent]):
+    pass
 
 
+# The fields some array release sent: those before `locality` (0.26.0, when
+# events were already maps).
+_ARRAY_STORED_FIELDS: Final = BlockStored.__struct_fields__.index("locality")
+_ARRAY_REMOVED_FIELDS: Final = BlockRemoved.__struct_fields__.index("locality")
 _STORES: Final = (ArrayBlockStored, ArrayRelayBlockStored)
 
 
 def _rebuilt(event: Any) -> Event:
     cls = type(event)
     if cls is ArrayBlockRemoved:
-        return BlockRemoved(event.block_hashes, event.medium, event.group_idx)
+        return BlockRemoved(*msgspec.structs.astuple(event)[:_ARRAY_REMOVED_FIELDS])
     if cls in _STORES:
         stored = RelayBlockStored if cls is ArrayRelayBlockStored else BlockStored
-        return stored(
-            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,
-            event.medium, event.lora_name, event.extra_keys, event.group_idx, event.kv_cache_spec_kind,
-            event.kv_cache_spec_sliding_window,
-        )
+        return stored(*msgspec.structs.astuple(event)[:_ARRAY_STORED_FIELDS])
     return CLEARED
 
 
