@@ -57,9 +57,8 @@ class RawEventBatch(EventBatch[msgspec.Raw]):
 class LenientBlockStored(BlockStored, tag="BlockStored"):
     """A map store missing fields every vLLM release sends (a third-party or
     hand-made publisher): decoded with vLLM's defaults, then made a BlockStored.
-    The one place those defaults are written: the array forms
-    (bridge.producer.decode.arrays), whose releases leave trailing fields
-    off, take them from here."""
+    The array forms (bridge.producer.decode.arrays) repeat these defaults
+    for the releases that leave trailing fields off."""
 
     parent_block_hash: BlockHash | None = None
     token_ids: list[int] = []
