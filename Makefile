@@ -1,4 +1,5 @@
-# The two commands a newcomer needs: `make demo` and `make test`.
+# The two commands a newcomer needs: `make demo` and `make test` (`make test-fast`
+# while editing: the in-process tests only, in under a minute).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ RELEASES_STAMP := $(RELEASES)/.installed
 ENGINE_VENV := .venv-engine
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
 
-.PHONY: demo test venv vllm-releases engine-venv clean bench
+.PHONY: demo test test-fast venv vllm-releases engine-venv clean bench
 
 $(STAMP): requirements/ci.txt requirements/vllm.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,6 +47,9 @@ demo: $(STAMP)
 
 test: $(STAMP) $(RELEASES_STAMP) $(ENGINE_STAMP)
 	bash scripts/test.sh
+
+test-fast: $(STAMP)
+	bash scripts/test.sh --fast
 
 # The process-level suites with a CPU hog beside them, 5 runs in a row (HOG_RUNS=N to change).
 .PHONY: test-hog

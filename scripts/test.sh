@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Runs every test: unit, end-to-end (real nats-server, real ZMQ, vLLM's own classes),
 # plugin, chart and the benchmark smoke run. `make test` and .ci/run call this.
+#
+# `--fast` (`make test-fast`): only the in-process tests (not marked `process` by
+# tests/conftest.py) with the `fast` Hypothesis profile, for the edit-test loop.
+# Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-if [ -f scripts/install-chart-tools.sh ]; then
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  export HYPOTHESIS_PROFILE=fast
+  set -- -m "not process" "$@"
+elif [ -f scripts/install-chart-tools.sh ]; then
   bash scripts/install-chart-tools.sh
 fi
 export PATH="$PWD/.tools/bin:$PATH"

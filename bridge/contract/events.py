@@ -10,7 +10,7 @@ required, so vLLM's own structs decode every relayed event.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Generic, TypeVar, Union
 
 import msgspec
 
@@ -61,10 +61,22 @@ class AllBlocksCleared(_Event):
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+E = TypeVar("E")
+
+
+class EventBatch(msgspec.Struct, Generic[E], array_like=True, omit_defaults=True, gc=False):
+    """vLLM's batch, `[ts, events, data_parallel_rank]`, with its events in
+    the form `E`: every form the bridge decodes a batch into (the relayed map
+    structs here, and in bridge.producer.decode its relay, raw and array
+    forms) is this one struct with another `E`."""
+
     ts: float
-    events: list[Event]
+    events: list[E]
     data_parallel_rank: int | None = None
+
+
+class KVEventBatch(EventBatch[Event]):
+    """The batch as the bridge relays it, and as vLLM decodes it."""
 
 
 def hash_hex(value: BlockHash, width: int = 8) -> str:

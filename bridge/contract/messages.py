@@ -31,13 +31,10 @@ RecordType = Literal["start", "stop", "cleared", "restart", "gap"]
 GroupEvent = Union[BlockStored, BlockRemoved]
 
 
-class GroupMessage(msgspec.Struct, gc=False):
-    """One vLLM batch's slice for one kv_cache_group, events in batch order.
-
-    A group's first slice of an epoch always goes out: when nothing in it
-    names a position, its one event is the group's shape store, a BlockStored
-    with no hash that stores nothing (docs/contract.md, "A group's first
-    message"), so consumers know every group from its first batch."""
+class GroupHead(msgspec.Struct, gc=False):
+    """The fields that place a group message: whose, which batch and group,
+    what kind. Every form a group message is decoded into (GroupMessage, and
+    residency's lean ResidencyMessage) starts with them."""
 
     v: int
     worker: str
@@ -49,6 +46,16 @@ class GroupMessage(msgspec.Struct, gc=False):
     kind: str
     family: str
     kind_source: KindSource
+
+
+class GroupMessage(GroupHead):
+    """One vLLM batch's slice for one kv_cache_group, events in batch order.
+
+    A group's first slice of an epoch always goes out: when nothing in it
+    names a position, its one event is the group's shape store, a BlockStored
+    with no hash that stores nothing (docs/contract.md, "A group's first
+    message"), so consumers know every group from its first batch."""
+
     events: list[GroupEvent]
     topic: str = ""
     # >0 only when an AllBlocksCleared split the batch: the slice after the n-th clear.

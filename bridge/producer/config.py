@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -28,7 +28,6 @@ from bridge.runtime.access import (
     Option,
     check_access,
     check_prefix,
-    redact_url,
 )
 
 # Per output format: what one frame may cost in memory once decoded stays
@@ -149,16 +148,8 @@ class Settings(NatsAccess, frozen=True):
     # The publishers vLLM listed at --vllm-url; set by the bridge, not an option.
     sources: list[Source] = []
 
-    def __repr__(self) -> str:  # secrets must never reach a log line through repr
-        return f"Settings(worker_id={self.worker_id!r}, nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
-
-    def redacted(self) -> dict[str, Any]:
-        """What is safe to log: secrets shown only as set or not, and no
-        user:password@ or token@ inside a NATS URL."""
-        # In the option table's order, as the log line lists them.
-        out = {opt.dest: getattr(self, opt.dest) for opt in OPTIONS}
-        out.update(NatsAccess.redacted(self))
-        return out
+    LOGGED_OPTIONS: ClassVar[tuple[Option, ...]] = OPTIONS
+    REPR_FIELDS: ClassVar[tuple[str, ...]] = ("worker_id",)
 
     def stream_endpoints(self) -> list[tuple[int, str, str | None]]:
         """(dp_rank, PUB endpoint, replay endpoint or None) for every publisher."""

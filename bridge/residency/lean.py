@@ -16,7 +16,7 @@ from typing import Union
 import msgspec
 
 from bridge.contract.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from bridge.contract.messages import KindSource
+from bridge.contract.messages import GroupHead
 
 _EMPTY = msgspec.Raw()
 
@@ -33,18 +33,9 @@ class LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
     placeholder: bool = False
 
 
-class ResidencyMessage(msgspec.Struct, gc=False):
+class ResidencyMessage(GroupHead):
     """A `GroupMessage` with the fields residency reads."""
 
-    worker: str
-    dp_rank: int
-    epoch: int
-    seq: int
-    ts: float
-    group: int
-    kind: str
-    family: str
-    kind_source: KindSource
     events: list[Union[LeanStored, BlockRemoved, AllBlocksCleared]]
     topic: str = ""
     part: int = 0

@@ -1,4 +1,5 @@
 """What every process of the project runs on, producer or consumer: NATS
 access options and credentials (`access`), a local nats-server (`nats_server`),
-logging set-up (`logging`) and stopping on a signal (`stopping`). It imports
-only the contract."""
+logging set-up (`logging`), stopping on a signal (`stopping`) and the small
+HTTP server of the programs' own endpoints (`http`). It imports only the
+contract."""

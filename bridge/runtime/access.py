@@ -18,7 +18,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -142,13 +142,19 @@ class NatsAccess(msgspec.Struct, frozen=True):
     nats_tls_key: str
     nats_inbox_prefix: str
 
+    # What a subclass (the bridge's Settings) logs: its option table, in the
+    # order the log line lists them, and the fields its repr names first.
+    LOGGED_OPTIONS: ClassVar[tuple[Option, ...]] = ACCESS_OPTIONS
+    REPR_FIELDS: ClassVar[tuple[str, ...]] = ()
+
     def __repr__(self) -> str:  # secrets must never reach a log line through repr
-        return f"NatsAccess(nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
+        named = "".join(f"{name}={getattr(self, name)!r}, " for name in self.REPR_FIELDS)
+        return f"{type(self).__name__}({named}nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
 
     def redacted(self) -> dict[str, Any]:
-        """What is safe to log: secrets shown only as set or not, and no
-        user:password@ or token@ inside a NATS URL."""
-        out = {opt.dest: getattr(self, opt.dest) for opt in ACCESS_OPTIONS}
+        """What is safe to log: every option, secrets shown only as set or
+        not, and no user:password@ or token@ inside a NATS URL."""
+        out = {opt.dest: getattr(self, opt.dest) for opt in self.LOGGED_OPTIONS}
         for key in _SECRETS:
             out[key] = "<set>" if out[key] else ""
         out["nats_url"] = [redact_url(u) for u in self.nats_url]

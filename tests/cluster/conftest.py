@@ -8,12 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge.runtime.nats_server import nats_server_available
 from tests.cluster.harness import NatsCluster
 from tests.cluster.scenario import reported
-
-if not nats_server_available():  # pragma: no cover - the CI image has it
-    pytest.skip("nats-server binary not available", allow_module_level=True)
 
 
 @pytest.fixture

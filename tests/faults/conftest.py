@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge.runtime.nats_server import NatsServerProcess, nats_server_available
+from bridge.runtime.nats_server import NatsServerProcess
 from tests.faults.harness import reported
-
-if not nats_server_available():  # pragma: no cover - the CI image has it
-    pytest.skip("nats-server binary not available", allow_module_level=True)
 
 
 @pytest.fixture

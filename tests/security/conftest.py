@@ -7,11 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.runtime.nats_server import nats_server_available
 from tests.security.secure_nats import Pki, make_pki
-
-if not nats_server_available():  # pragma: no cover - the CI image has it
-    pytest.skip("nats-server binary not available", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")

@@ -15,12 +15,7 @@ from typing import Any, Union
 
 import msgspec
 
-from bridge.contract.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
-
-
-class _LenientEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
+from bridge.contract.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, EventBatch
 
 EMPTY_RAW_ARRAY = msgspec.Raw(b"\x90")
 # The relayed form of a field vLLM left out: the default, so omit_defaults leaves it out too.
@@ -43,12 +38,8 @@ class RelayBlockStored(BlockStored, tag="BlockStored"):
 RelayEvent = Union[RelayBlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class RelayEventBatch(msgspec.Struct, array_like=True, gc=False):
+class RelayEventBatch(EventBatch[RelayEvent]):
     """KVEventBatch with stores as RelayBlockStored."""
-
-    ts: float
-    events: list[RelayEvent]
-    data_parallel_rank: int | None = None
 
 
 def empty_tokens(stored: type[BlockStored]) -> list[int] | msgspec.Raw:
@@ -56,36 +47,25 @@ def empty_tokens(stored: type[BlockStored]) -> list[int] | msgspec.Raw:
     return EMPTY_RAW_ARRAY if stored is RelayBlockStored else []
 
 
-class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
+class RawEventBatch(EventBatch[msgspec.Raw]):
     """The same batch with events left undecoded, for the per-event fallback."""
-
-    ts: float
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
 
 
 # -- lenient maps: an event that lacks a field vLLM always sends ---------------
 
 
-class LenientBlockStored(_LenientEvent, tag="BlockStored"):
+class LenientBlockStored(BlockStored, tag="BlockStored"):
     """A map store missing fields every vLLM release sends (a third-party or
-    hand-made publisher): decoded with vLLM's defaults, then made a BlockStored."""
+    hand-made publisher): decoded with vLLM's defaults, then made a BlockStored.
+    The array forms (bridge.producer.decode.arrays) repeat these defaults
+    for the releases that leave trailing fields off."""
 
-    block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None = None
     token_ids: list[int] = []
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
 
 
 class LenientRelayBlockStored(LenientBlockStored, tag="BlockStored"):
@@ -94,17 +74,16 @@ class LenientRelayBlockStored(LenientBlockStored, tag="BlockStored"):
     lookahead_token_ids: msgspec.Raw = NIL_RAW  # type: ignore[assignment]
 
 
-class LenientBlockRemoved(_LenientEvent, tag="BlockRemoved"):
-    block_hashes: list[BlockHash]
+class LenientBlockRemoved(BlockRemoved, tag="BlockRemoved"):
     medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
 
 
 LenientEvent = Union[LenientBlockStored, LenientBlockRemoved, AllBlocksCleared]
 LenientRelayEvent = Union[LenientRelayBlockStored, LenientBlockRemoved, AllBlocksCleared]
 
+
+# BlockStored's fields that vLLM sends: all but the bridge's own `placeholder`, its last.
+VLLM_STORED_FIELDS = BlockStored.__struct_fields__.index("placeholder")
 
 # One instance serves every clear: it has no fields, and nothing changes it.
 CLEARED = AllBlocksCleared()
@@ -113,14 +92,9 @@ CLEARED = AllBlocksCleared()
 def from_lenient(event: LenientBlockStored | LenientBlockRemoved | AllBlocksCleared, relay: bool) -> Event:
     """A lenient event as the map struct the bridge relays; what it lacked takes vLLM's defaults."""
     if type(event) is LenientBlockRemoved:
-        return BlockRemoved(event.block_hashes, event.medium, event.group_idx, event.locality, event.ownership)
+        return BlockRemoved(*msgspec.structs.astuple(event))
     if type(event) is not LenientBlockStored and type(event) is not LenientRelayBlockStored:
         return CLEARED
     # The relay's lenient struct holds its undecoded fields as Raw, the other one as lists.
     stored: Any = RelayBlockStored if relay else BlockStored
-    return stored(  # type: ignore[no-any-return]
-        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id,
-        event.medium, event.lora_name, event.extra_keys, event.group_idx, event.kv_cache_spec_kind,
-        event.kv_cache_spec_sliding_window, event.locality, event.ownership, event.session_id,
-        event.lookahead_token_ids,
-    )
+    return stored(*msgspec.structs.astuple(event)[:VLLM_STORED_FIELDS])  # type: ignore[no-any-return]

@@ -1,61 +1,39 @@
-"""A tiny HTTP/1.1 server for /metrics, /healthz and /readyz.
-
-Three fixed GET routes do not justify a web framework in a sidecar."""
+"""The bridge's own endpoints: GET /metrics, /healthz and /readyz, on the
+shared small server (`bridge.runtime.http`)."""
 
 from __future__ import annotations
 
-import anyio
 import anyio.abc
-import structlog
 
 from bridge.producer.telemetry.health import Health
 from bridge.producer.telemetry.metrics import Metrics
+from bridge.runtime.http import Limits, Response
+from bridge.runtime.http import serve_http as _serve
 
-log = structlog.get_logger("bridge.http")
-
-_MAX_REQUEST = 8192
+# Three GET routes: a request is its head, and a probe or scraper that hangs
+# must not hold a connection for long.
+LIMITS = Limits(max_head=8192, max_body=0, seconds=5)
 
 
 async def serve_http(
     host: str, port: int, metrics: Metrics, health: Health, *, task_status: anyio.abc.TaskStatus[int]
 ) -> None:
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
-    bound = listener.extra(anyio.abc.SocketAttribute.local_port)
-    log.info("http_listening", host=host, port=bound)
-    task_status.started(bound)
+    async def handler(method: str, path: str, body: bytes) -> Response:
+        return _route(method, path, metrics, health)
 
-    async def handle(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            try:
-                with anyio.fail_after(5):
-                    request = b""
-                    while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
-                        request += await stream.receive(4096)
-                    line = request.split(b"\r\n", 1)[0].decode("latin-1")
-                    parts = line.split(" ")
-                    path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
-                    status, ctype, body = _route(parts[0] if parts else "", path, metrics, health)
-                    head = (
-                        f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                    ).encode()
-                    await stream.send(head + body)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError, OSError):
-                pass
-
-    await listener.serve(handle)
+    await _serve(host, port, handler, LIMITS, task_status=task_status)
 
 
-def _route(method: str, path: str, metrics: Metrics, health: Health) -> tuple[str, str, bytes]:
+def _route(method: str, path: str, metrics: Metrics, health: Health) -> Response:
     if method != "GET":
-        return "405 Method Not Allowed", "text/plain", b"GET only\n"
+        return 405, "text/plain", b"GET only\n"
     if path == "/metrics":
-        return "200 OK", "text/plain; version=0.0.4; charset=utf-8", metrics.render()
+        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.render()
     if path == "/healthz":
-        return ("200 OK", "text/plain", b"ok\n") if health.live() else ("503 Service Unavailable", "text/plain", b"stalled\n")
+        return (200, "text/plain", b"ok\n") if health.live() else (503, "text/plain", b"stalled\n")
     if path == "/readyz":
         if health.ready():
-            return "200 OK", "text/plain", b"ready\n"
+            return 200, "text/plain", b"ready\n"
         why = f"zmq_subscribed={health.zmq_subscribed} nats_connected={health.nats_connected}\n"
-        return "503 Service Unavailable", "text/plain", why.encode()
-    return "404 Not Found", "text/plain", b"not found\n"
+        return 503, "text/plain", why.encode()
+    return 404, "text/plain", b"not found\n"
