@@ -27,10 +27,10 @@ import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
-import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
+from bridge.client.log import get_logger
 from bridge.contract import HDR_MSG_ID, GroupMessage, WorkerRecord
 from bridge.contract.snapshot import (
     DEFAULT_SNAPSHOT_BUCKET,
@@ -44,7 +44,7 @@ from bridge.contract.snapshot import (
     snapshot_subject,
 )
 
-log = structlog.get_logger("bridge.client.bootstrap")
+log = get_logger("bridge.client.bootstrap")
 
 RankKey = tuple[str, int]
 Found = RankSnapshot | SnapshotMissing
