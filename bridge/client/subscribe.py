@@ -38,9 +38,11 @@ from bridge.client.bootstrap import (
 )
 from bridge.client.codec import Body, BusCodec, BusDecodeError
 from bridge.client.connection import BusConnection
+from bridge.client.identity import IdentityGuard
 from bridge.contract import DEFAULT_STREAM
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 from bridge.residency.index import Interruption
+from bridge.runtime.stream_state import stream_holdings
 
 # While fetching snapshots, how often an idle buffering loop looks for messages.
 _TAKE_POLL_S: Final = 0.002
@@ -141,6 +143,9 @@ class BusSubscriber:
         self._codec = codec or BusCodec()
         self._sub: Subscription | None = None
         self.undecodable = 0
+        # Messages whose payload speaks for another worker, rank or group
+        # than the subject they came on: refused, per reason (`identity.refused`).
+        self.identity = IdentityGuard()
         self.delivered = 0
         self._seen_disconnects = 0
         self._seen_drops = 0
@@ -202,14 +207,18 @@ class BusSubscriber:
             item = self._decode(msg)
             if item is None:
                 continue
+            after = None
             if self._gate is not None:
                 missing, admitted = self._gate.admit(item.body, item.stream_seq)
                 if missing is not None:
                     yield missing
                 if not admitted:
                     continue  # in the rank's snapshot already
+                after = self._gate.after(item.body, item.stream_seq)
             self.delivered += 1
             yield item
+            if after is not None:
+                yield after
 
     async def _core_bootstrap(self) -> list[BusItem]:
         """Snapshots fetched while the subscription buffers, spliced (bridge.client.bootstrap)."""
@@ -250,7 +259,7 @@ class BusSubscriber:
                 wanted -= set(found)
                 if not wanted:
                     break
-                got, sources = await fetch_all(nc, opts, kv, wanted)
+                got, sources = await fetch_all(nc, opts, kv, wanted, self.identity)
                 found.update(got)
                 self.sources.extend(sources)
             fetching = False
@@ -273,11 +282,13 @@ class BusSubscriber:
         assert nc is not None and self.bootstrap is not None
         opts = self.bootstrap
         kv = await open_snapshot_bucket(nc, opts.bucket)
-        found, self.sources = await fetch_all(nc, opts, kv, await discover(nc, opts, kv))
-        first = (await nc.jetstream().stream_info(self.stream)).state.first_seq
-        plan = stream_opening(found, first)
+        found, self.sources = await fetch_all(nc, opts, kv, await discover(nc, opts, kv), self.identity)
+        # What the stream still holds after each snapshot: its deletions from
+        # the middle as well as its first sequence (bridge.contract.holdings).
+        holdings = await stream_holdings(nc.jetstream(), self.stream)
+        plan = stream_opening(found, holdings)
         self._opening = list(plan.items)
-        self._gate = LiveGate(found, plan.skip_seq)
+        self._gate = LiveGate(found, plan.skip_seq, holdings)
         if plan.start_seq is None:
             return consumer_config(StartAt("all"))
         return consumer_config(StartAt("seq", seq=plan.start_seq))
@@ -301,6 +312,8 @@ class BusSubscriber:
             body = self._codec.decode(msg.subject, headers, msg.data)
         except BusDecodeError:
             self.undecodable += 1
+            return None
+        if not self.identity.message(msg.subject, body):
             return None
         stream_seq = msg.metadata.sequence.stream if self.since is not None else None
         return BusMessage(msg.subject, headers, body, time.time(), stream_seq)
