@@ -38,6 +38,7 @@ from bridge.client.bootstrap import (
 )
 from bridge.client.codec import Body, BusCodec, BusDecodeError
 from bridge.client.connection import BusConnection
+from bridge.client.coverage import SubjectFilter
 from bridge.client.identity import IdentityGuard
 from bridge.contract import DEFAULT_STREAM
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
@@ -120,10 +121,11 @@ class BusSubscriber:
                 index.apply(item)
 
     With `bootstrap` (core NATS) or `since=StartAt("snapshot")` (a stream),
-    the items begin with each worker rank's snapshot (or a SnapshotMissing)
-    and go on with only what came after it (bridge.client.bootstrap); a rank
-    first seen later, not with a record that resets it, gets a
-    SnapshotMissing first.
+    the items begin with the snapshot (or a SnapshotMissing) of each worker
+    rank the subject filter covers, holding only the groups it covers
+    (bridge.client.coverage), and go on with only what came after it
+    (bridge.client.bootstrap); a rank first seen later, not with a record
+    that resets it, gets a SnapshotMissing first.
     """
 
     def __init__(
@@ -252,7 +254,8 @@ class BusSubscriber:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(take)
-            wanted = await discover(nc, opts, kv)
+            covered = SubjectFilter(self.subject, opts.prefix)
+            wanted = {k for k in await discover(nc, opts, kv) if covered.covers_rank(*k)}
             # Ranks the buffer shows that discovery missed: a second round for them.
             for _ in range(2):
                 wanted |= {k for k in map(rank_of, (getattr(b, "body", None) for b in buffered)) if k is not None}
@@ -260,7 +263,7 @@ class BusSubscriber:
                 if not wanted:
                     break
                 got, sources = await fetch_all(nc, opts, kv, wanted, self.identity)
-                found.update(got)
+                found.update(_trimmed(got, covered))
                 self.sources.extend(sources)
             fetching = False
         # Each answer came after the last message its snapshot holds, on the
@@ -282,7 +285,10 @@ class BusSubscriber:
         assert nc is not None and self.bootstrap is not None
         opts = self.bootstrap
         kv = await open_snapshot_bucket(nc, opts.bucket)
-        found, self.sources = await fetch_all(nc, opts, kv, await discover(nc, opts, kv), self.identity)
+        covered = SubjectFilter(self.subject, opts.prefix)
+        wanted = {k for k in await discover(nc, opts, kv) if covered.covers_rank(*k)}
+        found, self.sources = await fetch_all(nc, opts, kv, wanted, self.identity)
+        found = _trimmed(found, covered)
         # What the stream still holds after each snapshot: its deletions from
         # the middle as well as its first sequence (bridge.contract.holdings).
         holdings = await stream_holdings(nc.jetstream(), self.stream)
@@ -317,3 +323,8 @@ class BusSubscriber:
             return None
         stream_seq = msg.metadata.sequence.stream if self.since is not None else None
         return BusMessage(msg.subject, headers, body, time.time(), stream_seq)
+
+
+def _trimmed(found: dict[RankKey, Found], covered: SubjectFilter) -> dict[RankKey, Found]:
+    """Each snapshot with only the groups the subscription will hear of."""
+    return {k: covered.trim(v) if type(v) is RankSnapshot else v for k, v in found.items()}
