@@ -287,26 +287,26 @@ class StreamOpening(msgspec.Struct, frozen=True):
     start_seq: int | None
 
 
-def stream_opening(found: dict[RankKey, Found], holdings: StreamHoldings | int) -> StreamOpening:
+def stream_opening(found: dict[RankKey, Found], first_seq: StreamHoldings | int) -> StreamOpening:
     """Each rank's snapshot (or SnapshotMissing) first, and a SnapshotMissing
     after a snapshot whose following messages the stream no longer holds
-    wholly (`holdings`: its state; an int is its first sequence alone, a
-    stream that deleted nothing in its middle); the replay from the oldest
-    stream sequence the snapshots need, each rank skipping up to its own."""
-    if type(holdings) is int:
-        holdings = StreamHoldings(holdings, 1 << 62)
-    assert isinstance(holdings, StreamHoldings)
-    first_seq = holdings.first_seq
+    wholly (`first_seq`: the stream's state, StreamHoldings; an int is its
+    first sequence alone, for a stream that deleted nothing in its middle);
+    the replay from the oldest stream sequence the snapshots need, each rank
+    skipping up to its own."""
+    holdings = first_seq if isinstance(first_seq, StreamHoldings) else StreamHoldings(first_seq, 1 << 62)
     items: list[Found] = []
     skip: dict[RankKey, int] = {}
     for key, snap in sorted(found.items()):
         items.append(snap)
         if type(snap) is RankSnapshot:
             skip[key] = snap.stream_seq
-            if not holdings.holds_after(snap.stream_seq):
+            if holdings.first_seq > snap.stream_seq + 1:
+                items.append(SnapshotMissing(key[0], key[1], "the stream no longer holds what followed the snapshot"))
+            elif not holdings.holds_after(snap.stream_seq):
                 items.append(SnapshotMissing(key[0], key[1], holdings.missing_after(snap.stream_seq)))
     starts = [seq + 1 for seq in skip.values()]
-    return StreamOpening(items, skip, max(first_seq, min(starts)) if starts else None)
+    return StreamOpening(items, skip, max(holdings.first_seq, min(starts)) if starts else None)
 
 
 class LiveGate:
