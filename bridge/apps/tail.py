@@ -18,6 +18,7 @@ from bridge.client.subscribe import DEFAULT_STREAM, BusMessage, BusSubscriber, I
 from bridge.contract import GroupMessage
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 from bridge.runtime.access import ConfigError, NatsAccess
+from bridge.runtime.logging import configure_logging
 from bridge.runtime.stopping import close_quietly, until_signal
 
 
@@ -43,6 +44,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_tail(args: argparse.Namespace) -> int:
+    # stdout is the tool's output: the library's warnings go to stderr.
+    configure_logging("console", "warning")
     try:
         settings = access_settings(args)
         since = parse_since(args.since) if args.since else None

@@ -29,6 +29,7 @@ from bridge.contract.snapshot import RankSnapshot
 from bridge.residency.index import ResidencyIndex
 from bridge.residency.views import WorkerKey, WorkerView
 from bridge.runtime.access import ConfigError, NatsAccess
+from bridge.runtime.logging import configure_logging
 from bridge.runtime.stopping import close_quietly, until_signal
 
 MEDIA = ("GPU", "CPU", "STORAGE")
@@ -74,6 +75,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
+    # stdout is the tool's output: the library's warnings go to stderr.
+    configure_logging("console", "warning")
     try:
         settings = access_settings(args)
         opts = WatchOptions(args, settings.subject_prefix)

@@ -27,11 +27,14 @@ import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
-import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
+from bridge.client.identity import IdentityGuard
+from bridge.client.log import get_logger
 from bridge.contract import HDR_MSG_ID, GroupMessage, WorkerRecord
+from bridge.contract.holdings import StreamHoldings
+from bridge.contract.identity import Refusal, key_origin
 from bridge.contract.snapshot import (
     DEFAULT_SNAPSHOT_BUCKET,
     SNAPSHOT_SERVICE,
@@ -41,10 +44,11 @@ from bridge.contract.snapshot import (
     decode_head,
     fetch_parts,
     read_bucket,
+    snapshot_key,
     snapshot_subject,
 )
 
-log = structlog.get_logger("bridge.client.bootstrap")
+log = get_logger("bridge.client.bootstrap")
 
 RankKey = tuple[str, int]
 Found = RankSnapshot | SnapshotMissing
@@ -116,11 +120,14 @@ async def _bucket_ranks(nc: NatsClient, bucket: str, kv: KeyValue) -> set[RankKe
         return found
     for subject in info.state.subjects or {}:
         key = subject[len(prefix):]
+        ident = key_origin(key)  # the rank is the key's, whatever the head says (fetch checks it)
+        if ident is None:
+            continue
         try:
-            head = decode_head((await kv.get(key)).value or b"")
+            decode_head((await kv.get(key)).value or b"")
         except (msgspec.DecodeError, msgspec.ValidationError, nats.errors.Error):
             continue
-        found.add((head.worker, head.dp_rank))
+        found.add(ident)
     return found
 
 
@@ -135,8 +142,11 @@ async def open_snapshot_bucket(nc: NatsClient, bucket: str) -> KeyValue | None:
 
 
 async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, worker: str,
-                dp_rank: int) -> tuple[Found, SnapshotSource]:
-    """The rank's snapshot from its bridge, else from the bucket, else a SnapshotMissing."""
+                dp_rank: int, guard: IdentityGuard | None = None) -> tuple[Found, SnapshotSource]:
+    """The rank's snapshot from its bridge, else from the bucket, else a
+    SnapshotMissing. A snapshot that names another rank than the one its
+    subject (service) or key (bucket) is for is refused (`guard` counts it)."""
+    guard = guard if guard is not None else IdentityGuard()
     began = time.perf_counter()
     subject = snapshot_subject(opts.prefix, worker, dp_rank)
 
@@ -150,7 +160,11 @@ async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, wor
     why = ""
     try:
         snap = await fetch_parts(request)
-        return snap, SnapshotSource(worker, dp_rank, "service", seconds=time.perf_counter() - began)
+        refused = _refusal(snap.worker, snap.dp_rank, worker, dp_rank)
+        if refused is None:
+            return snap, SnapshotSource(worker, dp_rank, "service", seconds=time.perf_counter() - began)
+        guard.refuse(refused, subject, snap.worker, snap.dp_rank)
+        why = "the bridge's answer is a snapshot of another rank (refused)"
     except nats.errors.NoRespondersError:
         why = "no bridge answers"
     except (nats.errors.TimeoutError, TimeoutError):
@@ -163,6 +177,11 @@ async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, wor
         except (SnapshotUnavailable, nats.errors.Error, TimeoutError) as exc:
             found = None
             why = f"{why}; bucket: {exc}"
+        key = snapshot_key(worker, dp_rank)
+        if found is not None and not (guard.keyed(key, found[0].worker, found[0].dp_rank, "snapshot head")
+                                      and guard.keyed(key, found[1].worker, found[1].dp_rank, "snapshot")):
+            found = None
+            why = f"{why}; bucket: the snapshot under {key} is of another rank (refused)"
         if found is not None:
             return found[1], SnapshotSource(worker, dp_rank, "bucket", detail=why,
                                             seconds=time.perf_counter() - began)
@@ -172,6 +191,12 @@ async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, wor
                                                                  seconds=time.perf_counter() - began)
 
 
+def _refusal(says_worker: str, says_rank: int, worker: str, dp_rank: int) -> Refusal | None:
+    if says_worker != worker:
+        return Refusal.WORKER
+    return Refusal.RANK if says_rank != dp_rank else None
+
+
 async def _get(kv: KeyValue, key: str) -> bytes | None:
     try:
         return (await kv.get(key)).value
@@ -179,14 +204,14 @@ async def _get(kv: KeyValue, key: str) -> bytes | None:
         return None
 
 
-async def fetch_all(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None,
-                    ranks: Iterable[RankKey]) -> tuple[dict[RankKey, Found], list[SnapshotSource]]:
+async def fetch_all(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, ranks: Iterable[RankKey],
+                    guard: IdentityGuard | None = None) -> tuple[dict[RankKey, Found], list[SnapshotSource]]:
     """Every rank's snapshot, fetched side by side."""
     found: dict[RankKey, Found] = {}
     sources: list[SnapshotSource] = []
 
     async def one(key: RankKey) -> None:
-        got, source = await fetch(nc, opts, kv, *key)
+        got, source = await fetch(nc, opts, kv, *key, guard=guard)
         found[key] = got
         sources.append(source)
 
@@ -262,34 +287,55 @@ class StreamOpening(msgspec.Struct, frozen=True):
     start_seq: int | None
 
 
-def stream_opening(found: dict[RankKey, Found], first_seq: int) -> StreamOpening:
+def stream_opening(found: dict[RankKey, Found], first_seq: StreamHoldings | int) -> StreamOpening:
     """Each rank's snapshot (or SnapshotMissing) first, and a SnapshotMissing
-    after a snapshot whose following messages the stream (now starting at
-    `first_seq`) no longer holds; the replay from the oldest stream sequence
-    the snapshots need, each rank skipping up to its own."""
+    after a snapshot whose following messages the stream no longer holds
+    wholly (`first_seq`: the stream's state, StreamHoldings; an int is its
+    first sequence alone, for a stream that deleted nothing in its middle);
+    the replay from the oldest stream sequence the snapshots need, each rank
+    skipping up to its own."""
+    holdings = first_seq if isinstance(first_seq, StreamHoldings) else StreamHoldings(first_seq, 1 << 62)
     items: list[Found] = []
     skip: dict[RankKey, int] = {}
     for key, snap in sorted(found.items()):
         items.append(snap)
         if type(snap) is RankSnapshot:
             skip[key] = snap.stream_seq
-            if snap.stream_seq + 1 < first_seq:
+            if holdings.first_seq > snap.stream_seq + 1:
                 items.append(SnapshotMissing(key[0], key[1], "the stream no longer holds what followed the snapshot"))
+            elif not holdings.holds_after(snap.stream_seq):
+                items.append(SnapshotMissing(key[0], key[1], holdings.missing_after(snap.stream_seq)))
     starts = [seq + 1 for seq in skip.values()]
-    return StreamOpening(items, skip, max(first_seq, min(starts)) if starts else None)
+    return StreamOpening(items, skip, max(holdings.first_seq, min(starts)) if starts else None)
 
 
 class LiveGate:
     """After a bootstrap, what a late consumer does with each live item:
     a rank's stream messages at or below its snapshot's stream sequence are
     in the snapshot already (skipped); a rank first seen now gets a
-    SnapshotMissing before its first item, unless that item resets the view."""
+    SnapshotMissing before its first item, unless that item resets the view.
+    On a stream (`holdings`: its state when the replay began), a record that
+    resets a view gets a SnapshotMissing after it when the stream no longer
+    holds every message after it (`after`)."""
 
-    __slots__ = ("known", "skip_seq")
+    __slots__ = ("holdings", "known", "skip_seq")
 
-    def __init__(self, known: Iterable[RankKey], skip_seq: dict[RankKey, int] | None = None) -> None:
+    def __init__(self, known: Iterable[RankKey], skip_seq: dict[RankKey, int] | None = None,
+                 holdings: StreamHoldings | None = None) -> None:
         self.known = set(known)
         self.skip_seq = dict(skip_seq or {})
+        self.holdings = holdings
+
+    def after(self, body: object, stream_seq: int | None) -> SnapshotMissing | None:
+        """What goes after an admitted item: a SnapshotMissing when it reset
+        the view from a point the stream no longer holds wholly after."""
+        if self.holdings is None or stream_seq is None or not resets(body):
+            return None
+        if self.holdings.holds_after(stream_seq):
+            return None
+        key = rank_of(body)
+        assert key is not None
+        return SnapshotMissing(key[0], key[1], self.holdings.missing_after(stream_seq))
 
     def admit(self, body: object, stream_seq: int | None) -> tuple[SnapshotMissing | None, bool]:
         """What goes before the item (a SnapshotMissing or None), and whether the item itself goes on."""

@@ -17,6 +17,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
+from bridge.client.identity import IdentityGuard
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
 from bridge.residency.index import ResidencyIndex
 
@@ -44,6 +45,9 @@ class RegistryFollower:
         self._by_key: dict[str, str] = {}
         self.available = False
         self.bad_entries = 0
+        # Entries whose `worker` is not the one their key names: refused
+        # (a worker may write only its own key), counted per reason.
+        self.identity = IdentityGuard()
         # Set once the bucket's current contents have been read.
         self.loaded = anyio.Event()
 
@@ -103,6 +107,8 @@ class RegistryFollower:
             entry = decode_entry(value or b"")
         except msgspec.DecodeError:
             self.bad_entries += 1
+            return
+        if not self.identity.keyed(key, entry.worker, 0, "registry entry"):
             return
         self._by_key[key] = entry.worker
         self.entries[entry.worker] = entry

@@ -38,9 +38,12 @@ from bridge.client.bootstrap import (
 )
 from bridge.client.codec import Body, BusCodec, BusDecodeError
 from bridge.client.connection import BusConnection
+from bridge.client.coverage import SubjectFilter
+from bridge.client.identity import IdentityGuard
 from bridge.contract import DEFAULT_STREAM
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 from bridge.residency.index import Interruption
+from bridge.runtime.stream_state import stream_holdings
 
 # While fetching snapshots, how often an idle buffering loop looks for messages.
 _TAKE_POLL_S: Final = 0.002
@@ -118,10 +121,11 @@ class BusSubscriber:
                 index.apply(item)
 
     With `bootstrap` (core NATS) or `since=StartAt("snapshot")` (a stream),
-    the items begin with each worker rank's snapshot (or a SnapshotMissing)
-    and go on with only what came after it (bridge.client.bootstrap); a rank
-    first seen later, not with a record that resets it, gets a
-    SnapshotMissing first.
+    the items begin with the snapshot (or a SnapshotMissing) of each worker
+    rank the subject filter covers, holding only the groups it covers
+    (bridge.client.coverage), and go on with only what came after it
+    (bridge.client.bootstrap); a rank first seen later, not with a record
+    that resets it, gets a SnapshotMissing first.
     """
 
     def __init__(
@@ -141,6 +145,9 @@ class BusSubscriber:
         self._codec = codec or BusCodec()
         self._sub: Subscription | None = None
         self.undecodable = 0
+        # Messages whose payload speaks for another worker, rank or group
+        # than the subject they came on: refused, per reason (`identity.refused`).
+        self.identity = IdentityGuard()
         self.delivered = 0
         self._seen_disconnects = 0
         self._seen_drops = 0
@@ -202,14 +209,18 @@ class BusSubscriber:
             item = self._decode(msg)
             if item is None:
                 continue
+            after = None
             if self._gate is not None:
                 missing, admitted = self._gate.admit(item.body, item.stream_seq)
                 if missing is not None:
                     yield missing
                 if not admitted:
                     continue  # in the rank's snapshot already
+                after = self._gate.after(item.body, item.stream_seq)
             self.delivered += 1
             yield item
+            if after is not None:
+                yield after
 
     async def _core_bootstrap(self) -> list[BusItem]:
         """Snapshots fetched while the subscription buffers, spliced (bridge.client.bootstrap)."""
@@ -243,15 +254,16 @@ class BusSubscriber:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(take)
-            wanted = await discover(nc, opts, kv)
+            covered = SubjectFilter(self.subject, opts.prefix)
+            wanted = {k for k in await discover(nc, opts, kv) if covered.covers_rank(*k)}
             # Ranks the buffer shows that discovery missed: a second round for them.
             for _ in range(2):
                 wanted |= {k for k in map(rank_of, (getattr(b, "body", None) for b in buffered)) if k is not None}
                 wanted -= set(found)
                 if not wanted:
                     break
-                got, sources = await fetch_all(nc, opts, kv, wanted)
-                found.update(got)
+                got, sources = await fetch_all(nc, opts, kv, wanted, self.identity)
+                found.update(_trimmed(got, covered))
                 self.sources.extend(sources)
             fetching = False
         # Each answer came after the last message its snapshot holds, on the
@@ -273,11 +285,16 @@ class BusSubscriber:
         assert nc is not None and self.bootstrap is not None
         opts = self.bootstrap
         kv = await open_snapshot_bucket(nc, opts.bucket)
-        found, self.sources = await fetch_all(nc, opts, kv, await discover(nc, opts, kv))
-        first = (await nc.jetstream().stream_info(self.stream)).state.first_seq
-        plan = stream_opening(found, first)
+        covered = SubjectFilter(self.subject, opts.prefix)
+        wanted = {k for k in await discover(nc, opts, kv) if covered.covers_rank(*k)}
+        found, self.sources = await fetch_all(nc, opts, kv, wanted, self.identity)
+        found = _trimmed(found, covered)
+        # What the stream still holds after each snapshot: its deletions from
+        # the middle as well as its first sequence (bridge.contract.holdings).
+        holdings = await stream_holdings(nc.jetstream(), self.stream)
+        plan = stream_opening(found, holdings)
         self._opening = list(plan.items)
-        self._gate = LiveGate(found, plan.skip_seq)
+        self._gate = LiveGate(found, plan.skip_seq, holdings)
         if plan.start_seq is None:
             return consumer_config(StartAt("all"))
         return consumer_config(StartAt("seq", seq=plan.start_seq))
@@ -302,5 +319,12 @@ class BusSubscriber:
         except BusDecodeError:
             self.undecodable += 1
             return None
+        if not self.identity.message(msg.subject, body):
+            return None
         stream_seq = msg.metadata.sequence.stream if self.since is not None else None
         return BusMessage(msg.subject, headers, body, time.time(), stream_seq)
+
+
+def _trimmed(found: dict[RankKey, Found], covered: SubjectFilter) -> dict[RankKey, Found]:
+    """Each snapshot with only the groups the subscription will hear of."""
+    return {k: covered.trim(v) if type(v) is RankSnapshot else v for k, v in found.items()}

@@ -23,8 +23,9 @@ from tests.faults.harness import BridgeProcess, wait_http
 
 
 @asynccontextmanager
-async def late_index(url: str, **kwargs: Any) -> AsyncIterator[tuple[ResidencyIndex, BusSubscriber]]:
-    """A consumer that starts now: a BusSubscriber on `kv.>` (with
+async def late_index(url: str, subject: str = "kv.>", **kwargs: Any) -> AsyncIterator[tuple[ResidencyIndex,
+                                                                                          BusSubscriber]]:
+    """A consumer that starts now: a BusSubscriber on `subject` (with
     `bootstrap=` or `since=`, as given) feeding a ResidencyIndex. `conn`
     settings (auth) may come as `settings=`."""
     conn = BusConnection()
@@ -32,7 +33,7 @@ async def late_index(url: str, **kwargs: Any) -> AsyncIterator[tuple[ResidencyIn
     await conn.open(settings, "late")
     index = ResidencyIndex()
     try:
-        async with BusSubscriber(conn, "kv.>", **kwargs) as sub, anyio.create_task_group() as tg:
+        async with BusSubscriber(conn, subject, **kwargs) as sub, anyio.create_task_group() as tg:
             async def feed() -> None:
                 async for item in sub:
                     index.apply(item)

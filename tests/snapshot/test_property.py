@@ -558,7 +558,7 @@ class LateJoinerVersusWatcher(RuleBasedStateMachine):
         base = subject_base(rank) + "."
         for seq, out in self.stream.since(start):
             if out.subject.startswith(base):
-                replayed(keeper, rank, dict(out.headers), out.payload, seq)
+                replayed(keeper, rank, dict(out.headers), out.payload, seq, out.subject)
                 knows = knows or resetting(self.codec.decode(out.subject, dict(out.headers), out.payload))
         self.knows_all[rank] = knows
         if self.bridge.writer is not None:

@@ -18,7 +18,7 @@ priority and the log is let go, its ranks' views turned stale and partial
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +28,7 @@ import structlog
 
 from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, GroupMessage, WorkerRecord
 from bridge.contract import decoder_for as _decoder_for
+from bridge.contract.identity import Origin, Refusal, check
 from bridge.contract.snapshot import RankSnapshot, encode_snapshot
 from bridge.producer.sink.acks import ack_seq
 from bridge.producer.sink.encode import Outgoing
@@ -81,6 +82,9 @@ class ResidencyKeeper:
         # them with what it last wrote.
         self.applied: dict[int, int] = {}
         self.undecodable = 0
+        # Messages a rebuild read whose payload speaks for another worker,
+        # rank or group than their subject: refused, per reason.
+        self.refused: Counter[Refusal] = Counter()
         # Times the log was let go, and the messages it held.
         self.sheds = 0
         self.shed_messages = 0
@@ -183,15 +187,27 @@ class ResidencyKeeper:
         """One message of the bus, as a consumer reads it."""
         self.apply_payload(msg.headers, msg.payload, ack)
 
-    def apply_payload(self, headers: dict[str, str], payload: bytes, ack: bytes | None = None) -> None:
+    def apply_payload(self, headers: dict[str, str], payload: bytes, ack: bytes | None = None, *,
+                      origin: Origin | None = None) -> Refusal | None:
+        """`origin`: where a message read back from the stream arrived (a
+        rebuild); one whose payload names another worker, rank or group is
+        refused and counted, never applied. The bridge's own messages, handed
+        over by its sink, need no such check."""
         fmt = headers.get(HDR_FORMAT, DEFAULT_FORMAT)
         decoder = self._decoders.get((fmt, HDR_RECORD in headers))
         try:
             body = decoder.decode(payload)  # type: ignore[union-attr]
         except (AttributeError, msgspec.DecodeError, msgspec.ValidationError):
             self.undecodable += 1
-            return
+            return None
         kind = type(body)
+        if origin is not None:
+            why = check(origin, body.worker, body.dp_rank, None if kind is WorkerRecord else body.group)
+            if why is None and body.worker != self.worker:
+                why = Refusal.WORKER
+            if why is not None:
+                self.refused[why] += 1
+                return why
         if kind is ResidencyMessage or kind is GroupMessage:
             self.index.apply_group(body)
         else:
@@ -204,6 +220,7 @@ class ResidencyKeeper:
         self._through[rank] = _Through(headers.get(HDR_MSG_ID, ""), seq=max(seq, last.seq if last else 0))
         events = 1 if kind is WorkerRecord else len(body.events)
         self.applied[rank] = self.applied.get(rank, 0) + events
+        return None
 
     # -- snapshots ----------------------------------------------------------
 

@@ -4,10 +4,18 @@ the rank's messages the stream stored after it, read with a consumer filtered
 to the rank's subjects. What it cannot have (no snapshot and a stream that no
 longer starts with the rank's epoch, a stream that dropped messages after the
 snapshot, a read that fails) leaves the rank's view partial: its snapshots
-say so (`complete=False`) until a record empties the view."""
+say so (`complete=False`) until a record empties the view.
+
+What the stream holds is judged from its state (bridge.contract.holdings):
+its first sequence and the messages deleted from its middle (a per-subject
+limit, a delete), after the snapshot and after any record that resets the
+view. Messages read back are taken as the rank's only when their subject says
+so (bridge.contract.identity): one whose payload names another worker, rank
+or group is refused, counted (`ResidencyKeeper.refused`) and logged once."""
 
 from __future__ import annotations
 
+import msgspec
 import nats.errors
 import nats.js
 import nats.js.errors
@@ -15,9 +23,12 @@ import structlog
 from nats.js import api
 from nats.js.kv import KeyValue
 
-from bridge.contract import HDR_MSG_ID
-from bridge.contract.snapshot import RankSnapshot, SnapshotHead, SnapshotUnavailable, read_bucket
+from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, WorkerRecord, decoder_for
+from bridge.contract.holdings import StreamHoldings
+from bridge.contract.identity import check_key, subject_origin
+from bridge.contract.snapshot import RankSnapshot, SnapshotHead, SnapshotUnavailable, read_bucket, snapshot_key
 from bridge.producer.snapshot.keeper import ResidencyKeeper
+from bridge.runtime.stream_state import stream_holdings
 
 log = structlog.get_logger("bridge.producer.snapshot")
 
@@ -47,16 +58,23 @@ async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, kv
             log.warning("snapshot_bucket_unreadable", dp_rank=dp_rank, error=str(exc)[:200])
             found = None
         if found is not None:
-            head, snap = found
+            key = snapshot_key(worker, dp_rank)
+            why = check_key(key, found[0].worker, found[0].dp_rank) or check_key(key, found[1].worker,
+                                                                                 found[1].dp_rank)
+            if why is None:
+                head, snap = found
+            else:
+                log.warning("snapshot_bucket_refused", dp_rank=dp_rank, key=key, reason=why.value,
+                            says_worker=found[1].worker[:200], says_dp_rank=found[1].dp_rank)
     try:
-        info = await js.stream_info(stream)
+        holdings = await stream_holdings(js, stream)
     except (nats.errors.Error, TimeoutError, OSError) as exc:
         restore_rank(keeper, dp_rank, snap, None)
         _failed(dp_rank, stream, exc)
         return head
-    start = restore_rank(keeper, dp_rank, snap, info.state.first_seq)
+    start = restore_rank(keeper, dp_rank, snap, holdings)
     try:
-        applied = await _replay(js, keeper, stream, f"{subject_base}.>", start, dp_rank)
+        applied = await _replay(js, keeper, stream, f"{subject_base}.>", start, dp_rank, holdings)
     except (nats.errors.Error, TimeoutError, OSError) as exc:
         keeper.index.missing(worker, dp_rank)
         _failed(dp_rank, stream, exc)
@@ -67,12 +85,16 @@ async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, kv
     return head
 
 
-def restore_rank(keeper: ResidencyKeeper, dp_rank: int, snap: RankSnapshot | None, first_seq: int | None) -> int:
+def restore_rank(keeper: ResidencyKeeper, dp_rank: int, snap: RankSnapshot | None,
+                 holdings: StreamHoldings | int | None) -> int:
     """The pure start of a rebuild: the rank's view replaced by the bucket's
     snapshot `snap` (None: none), and marked partial unless the snapshot is
-    complete and the stream (now starting at `first_seq`; None: unknown)
-    still holds every message after it. Returns the stream sequence to replay
-    the rank's messages from (`replayed` applies each)."""
+    complete and the stream (`holdings`: its state; an int: its first
+    sequence alone; None: unknown) still holds every message after it.
+    Returns the stream sequence to replay the rank's messages from
+    (`replayed` applies each)."""
+    if type(holdings) is int:
+        holdings = StreamHoldings(holdings, 1 << 62)
     keeper.forget(dp_rank)
     start = 1
     complete = False
@@ -81,17 +103,38 @@ def restore_rank(keeper: ResidencyKeeper, dp_rank: int, snap: RankSnapshot | Non
         keeper.mark_applied(dp_rank, snap.through, snap.stream_seq)
         start = snap.stream_seq + 1
         complete = snap.complete
-    if first_seq is None or first_seq > start:
+    if not isinstance(holdings, StreamHoldings) or not holdings.holds_after(start - 1):
         complete = False  # messages after the snapshot (perhaps ours) are gone, or may be
     if not complete:
         keeper.index.missing(keeper.worker, dp_rank)
     return start
 
 
-def replayed(keeper: ResidencyKeeper, dp_rank: int, headers: dict[str, str], data: bytes, stream_seq: int) -> None:
-    """One of the rank's messages the stream holds after the snapshot, in stream order."""
-    keeper.apply_payload(headers, data)
+_RECORDS = {fmt: decoder_for(fmt, WorkerRecord) for fmt in FORMATS}
+
+
+def replayed(keeper: ResidencyKeeper, dp_rank: int, headers: dict[str, str], data: bytes, stream_seq: int,
+             subject: str, holdings: StreamHoldings | None = None) -> bool:
+    """One of the rank's messages the stream holds after the snapshot, in
+    stream order, as read from `subject`; False when refused (its payload
+    speaks for another worker, rank or group). A record that resets the view
+    leaves it partial when the stream (`holdings`) no longer holds every
+    message after it."""
+    why = keeper.apply_payload(headers, data, origin=subject_origin(subject))
+    if why is not None:
+        if keeper.refused[why] == 1:
+            log.warning("message_refused", subject=subject[:300], reason=why.value, dp_rank=dp_rank,
+                        note="identity comes from the subject; logged once per reason")
+        return False
     keeper.mark_applied(dp_rank, headers.get(HDR_MSG_ID, ""), stream_seq)
+    if holdings is not None and HDR_RECORD in headers and not holdings.holds_after(stream_seq):
+        try:
+            rec = _RECORDS.get(headers.get(HDR_FORMAT, DEFAULT_FORMAT), _RECORDS[DEFAULT_FORMAT]).decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return True
+        if rec.type == "restart" or (rec.type == "start" and rec.reason != "resumed"):
+            keeper.index.missing(keeper.worker, dp_rank)
+    return True
 
 
 def _failed(dp_rank: int, stream: str, exc: BaseException) -> None:
@@ -100,7 +143,7 @@ def _failed(dp_rank: int, stream: str, exc: BaseException) -> None:
 
 
 async def _replay(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, stream: str, subject: str, start: int,
-                  dp_rank: int) -> int:
+                  dp_rank: int, holdings: StreamHoldings) -> int:
     """The stream's messages on `subject` from `start`, applied in order."""
     # Named for the rank, so a least-privilege user may make just this one (docs/security.md).
     name = f"kvb-rebuild-{subject.rstrip('.>').rpartition('.')[2]}"
@@ -122,7 +165,8 @@ async def _replay(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, stream:
                 except nats.errors.TimeoutError:
                     break
                 for msg in msgs:
-                    replayed(keeper, dp_rank, dict(msg.headers or {}), msg.data, msg.metadata.sequence.stream)
+                    replayed(keeper, dp_rank, dict(msg.headers or {}), msg.data, msg.metadata.sequence.stream,
+                             msg.subject, holdings)
                     applied += 1
                     remaining = msg.metadata.num_pending
         finally:
