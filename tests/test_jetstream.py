@@ -87,7 +87,7 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
     async def watch(bridge: Bridge) -> None:
         nonlocal peak, gauge_peak
         while True:
-            peak = max(peak, bridge.producer.sink.in_flight()[1])
+            peak = max(peak, bridge.sink.in_flight()[1])
             gauge_peak = max(gauge_peak, metric(bridge, "kvbridge_js_in_flight_messages"))
             await anyio.sleep(0)
 
@@ -104,7 +104,7 @@ async def test_a_small_byte_window_still_stores_large_batches_once(nats_server: 
             # The gauges follow the window and come back to 0 once every ack is in.
             with anyio.fail_after(10):
                 while metric(bridge, "kvbridge_js_in_flight_messages") or metric(bridge, "kvbridge_js_in_flight_bytes"):
-                    assert metric(bridge, "kvbridge_js_in_flight_bytes") == bridge.producer.sink.in_flight()[1]
+                    assert metric(bridge, "kvbridge_js_in_flight_bytes") == bridge.sink.in_flight()[1]
                     await anyio.sleep(0.01)
     finally:
         pub.close()
@@ -301,7 +301,7 @@ async def test_a_resume_point_that_does_not_answer_yet_is_waited_for_not_a_crash
     moment (NoRespondersError). Found at 8c18139 on a three-server cluster: the
     error left the task group and the bridge exited 1. Now it is not ready,
     says so, and tries again."""
-    import bridge.producer.service as service
+    import bridge.producer.sink.resume as resume
     from bridge.producer.sink.jetstream import last_point
 
     calls = {"n": 0}
@@ -313,7 +313,7 @@ async def test_a_resume_point_that_does_not_answer_yet_is_waited_for_not_a_crash
             raise nats.errors.NoRespondersError
         return await last_point(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(service, "last_point", flaky)
+    monkeypatch.setattr(resume, "last_point", flaky)
     pub, settings = _publisher_and_settings(nats_server.url)
     workload = HybridWorkload(seed=5)
     bridge = Bridge(settings)

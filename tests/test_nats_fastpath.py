@@ -64,7 +64,7 @@ def test_the_public_path_can_be_asked_for() -> None:
         assert isinstance(select_path(fast=False), PublicPath)
     assert [(e["event"], e["path"], e["log_level"]) for e in logs] == [("nats_write_path", "public", "info")]
     bridge = Bridge(make_settings(zmq_endpoint=["tcp://127.0.0.1:1"]), nats_fast_path=False)
-    assert bridge.producer.sink.write_path == "public"
+    assert bridge.sink.write_path == "public"
 
 
 class _Bare:
@@ -84,7 +84,7 @@ def test_every_private_name_the_fast_path_uses_is_checked() -> None:
 @asynccontextmanager
 async def _bridge(settings: Settings, fast: bool) -> AsyncIterator[Bridge]:
     bridge = Bridge(settings, nats_fast_path=fast)
-    assert bridge.producer.sink.write_path == ("fast" if fast else "public")
+    assert bridge.sink.write_path == ("fast" if fast else "public")
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(bridge.run, stop)
@@ -153,7 +153,7 @@ async def _jetstream_run(fast: bool, **overrides: str) -> list[tuple[str, GroupM
                     pub.publish(workload.batch(12 if i % 10 else 200))
                 await wait_published(bridge, BATCHES)
                 with anyio.fail_after(10):
-                    while bridge.producer.sink.in_flight() != (0, 0):
+                    while bridge.sink.in_flight() != (0, 0):
                         await anyio.sleep(0.02)
                 assert metric(bridge, "kvbridge_js_refused_total") == 0
         finally:

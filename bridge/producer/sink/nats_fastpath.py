@@ -188,7 +188,7 @@ class PublicPath:
     async def route_acks(self, nc: NatsClient, inbox: str, on_ack: AckHandler) -> None:
         async def deliver(msg: Msg) -> None:
             status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
-            # The inline status line as the server sent it, which ack_error reads.
+            # The inline status line as the server sent it, which PublishRefusal.from_ack reads.
             head = f"NATS/1.0 {status}\r\n\r\n".encode() if status else None
             on_ack(msg.subject.encode(), msg.data, head)
 

@@ -42,11 +42,12 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from bridge.producer.config import Settings
-from bridge.producer.sink.acks import AckWindow, Sent
+from bridge.producer.sink.ack_errors import NoResponders, NoStream, PermissionRefused, PublishRefusal
+from bridge.producer.sink.acks import AckWindow, Pending, Sent, Settled, Trouble
 from bridge.producer.sink.encode import Outgoing
-from bridge.producer.sink.jetstream import StreamConfigError, ensure_stream
 from bridge.producer.sink.nats_fastpath import select_path
 from bridge.producer.sink.queue import BatchQueue, OutBatch
+from bridge.producer.sink.stream_setup import StreamState, stream_state
 from bridge.producer.telemetry.health import Health
 from bridge.producer.telemetry.metrics import Metrics
 from bridge.runtime.access import connect_options
@@ -77,9 +78,6 @@ _PING_S = 2
 # How long a permission violation keeps /readyz false, and how often it is
 # logged per subject.
 _DENIED_HOLD_S = 30.0
-
-# Errors in a PubAck that mean "no leader stores anything right now", not a refusal.
-_TRANSIENT_ERRORS = ('"err_code":10008', "temporarily unavailable")
 
 _VIOLATION = re.compile(r"permissions violation for (publish|subscription) to \"([^\"]+)\"", re.IGNORECASE)
 
@@ -178,7 +176,7 @@ class NatsSink:
         self._generation += 1
         if len(self._acks):
             # What went out on the lost connection may be lost with it.
-            self._acks.trouble = "reconnected"
+            self._acks.trouble = Trouble.RECONNECTED
         if self._health.denied_until == float("inf"):
             self._health.denied_until = 0.0  # the subscriptions are made again: a refusal shows again
         self._metrics.nats_reconnects.inc()
@@ -223,7 +221,7 @@ class NatsSink:
                     # Its gap record goes to the worker subject: pointless (and
                     # one more refusal) when that one is forbidden too.
                     worker_subject = f"{key.rsplit('.', 1)[0]}.worker"
-                    self._give_up(entry.msg, entry.origin, "permission denied", quiet=True,
+                    self._give_up(entry.msg, entry.origin, PermissionRefused(), quiet=True,
                                   announce=not self.denied(worker_subject))
 
     def _denial_hint(self, operation: str, subject: str) -> str:
@@ -284,12 +282,12 @@ class NatsSink:
         acks = self._acks
         js = self._settings.jetstream
         while True:
-            if js and acks.trouble and not len(acks):
-                acks.trouble = ""  # what was in doubt is settled or given up
+            if js and acks.trouble is not None and not len(acks):
+                acks.trouble = None  # what was in doubt is settled or given up
             if js and len(acks):
                 # Acks outstanding: a quiet queue must not leave a lost one unnoticed.
                 reason = self._lost_ack(time.monotonic())
-                if reason:
+                if reason is not None:
                     try:
                         await self._recover(reason)
                     except _RETRYABLE as exc:
@@ -313,7 +311,7 @@ class NatsSink:
                 continue
             try:
                 if js:
-                    if acks.trouble:
+                    if acks.trouble is not None:
                         continue
                     if len(acks) >= self._settings.js_max_pending or acks.bytes >= self._settings.js_max_pending_bytes:
                         # Let acks catch up to half the window, then publish on
@@ -333,20 +331,20 @@ class NatsSink:
                 continue
             metrics.queue_depth.set(len(queue))
 
-    def _lost_ack(self, now: float) -> str:
-        """Why the window's oldest message may be lost ("": no sign of it)."""
+    def _lost_ack(self, now: float) -> Trouble | None:
+        """Why the window's oldest message may be lost (None: no sign of it)."""
         acks = self._acks
-        if acks.trouble:
+        if acks.trouble is not None:
             return acks.trouble
         progress = acks.progress
         if progress != self._seen_acked:
             self._seen_acked = progress
             self._progress_at = now
-            return ""
+            return None
         head = acks.head()
         if head is not None and now - max(self._progress_at, head[1].sent) >= self.stall_s:
-            return f"no ack for {self.stall_s:g} s"
-        return ""
+            return Trouble.NO_ACK
+        return None
 
     async def _publish(self, first: OutBatch) -> None:
         """Every batch queued now (within bounds and, for JetStream, the ack
@@ -410,7 +408,7 @@ class NatsSink:
 
     # -- a lost ack ------------------------------------------------------
 
-    async def _recover(self, reason: str) -> None:
+    async def _recover(self, reason: Trouble) -> None:
         """Nothing newer goes out until the oldest unacked message is stored:
         it alone, again and again (each try waits `stall_s` for its ack),
         refusals counted and given up after a few; then every unacked message
@@ -420,16 +418,16 @@ class NatsSink:
         self.recoveries += 1
         self._metrics.js_recoveries.inc()
         head = acks.head()
-        log.warning("js_publish_paused", reason=reason, unacked=len(acks),
+        log.warning("js_publish_paused", reason=reason.value, stall_s=self.stall_s, unacked=len(acks),
                     first=head[1].msg.subject if head else None, server=self._server())
         tries = 0
         delay = 0.1
         said = began
         resent = 0
         # Silence may be the connected server's own (frozen, cut off): ask it first.
-        check_server = reason.startswith("no ack")
+        check_server = reason is Trouble.NO_ACK
         while True:
-            acks.trouble = ""
+            acks.trouble = None
             head = acks.head()
             if head is None:
                 break
@@ -447,7 +445,7 @@ class NatsSink:
                     self._connected = anyio.Event()
                     await self._path.drop_connection(nc)
                     continue
-            if entry.error:
+            if entry.error is not None:
                 if await self._refused_for_good(entry):
                     acks.give_up(token)
                     self._give_up(entry.msg, entry.origin, entry.error)
@@ -459,14 +457,14 @@ class NatsSink:
             await self._write_again(nc, [token])
             tries += 1
             outcome = await acks.wait_settled(token, self.stall_s)
-            if outcome == "settled":
+            if outcome is Settled.STORED:
                 # Acks come in order: whatever went out before it and is still
                 # unacked was lost on the way.
                 rest = [t for t, e in acks.unsettled() if e.wire < probe_wire]
                 await self._write_again(nc, rest)
                 resent = len(rest)
                 break
-            if outcome == "timeout":
+            if outcome is Settled.TIMEOUT:
                 check_server = True
                 now = time.monotonic()
                 if now - said >= 10:
@@ -485,44 +483,34 @@ class NatsSink:
             return False
         return True
 
-    async def _refused_for_good(self, entry: Any) -> bool:
+    async def _refused_for_good(self, entry: Pending) -> bool:
         """Counts the server's refusal of the oldest message, unless it only
         says that nobody stores anything right now; True once it is given up."""
         error = entry.error
-        if error.startswith("status 503"):
+        assert error is not None
+        if isinstance(error, NoResponders):
             # No responder on the subject: no stream (deleted? it is made
             # again), one whose subjects no longer cover ours, or one whose
             # leader is being elected.
-            state = await self._stream_state()
-            if state == "leaderless":
+            assert self.js is not None
+            state = await stream_state(self.js, self._settings)
+            if state in (StreamState.PRESENT, StreamState.UNAVAILABLE):
                 return False
-            entry.refusals += 1
-            error = entry.error = "no stream takes the subject" + (" (made again)" if state == "created" else "")
-        elif any(word in error for word in _TRANSIENT_ERRORS):
+            error = entry.error = NoStream(made_again=state is StreamState.CREATED)
+        elif not error.counts:
             return False
-        else:
-            entry.refusals += 1
+        entry.refusals += 1
         self._metrics.publish_errors.inc()
-        log.warning("js_publish_retry", subject=entry.msg.subject, refusals=entry.refusals, error=error[:200])
+        log.warning("js_publish_retry", subject=entry.msg.subject, refusals=entry.refusals,
+                    refusal=type(error).__name__, error=error.detail[:200])
         return entry.refusals >= _MAX_REFUSALS
 
-    async def _stream_state(self) -> str:
-        assert self.js is not None
-        try:
-            created = await ensure_stream(self.js, self._settings)
-        except StreamConfigError as exc:
-            log.error("stream_mismatch", stream=self._settings.stream_name, error=str(exc)[:200])
-            return "mismatch"
-        except _RETRYABLE as exc:
-            log.warning("stream_unavailable", stream=self._settings.stream_name, error=type(exc).__name__)
-            return "leaderless"
-        return "created" if created else "leaderless"
-
-    def _give_up(self, msg: Outgoing, origin: OutBatch | None, error: str, quiet: bool = False,
+    def _give_up(self, msg: Outgoing, origin: OutBatch | None, error: PublishRefusal, quiet: bool = False,
                  announce: bool = True) -> None:
         self._metrics.js_refused.inc()
         if not quiet:
-            log.error("js_publish_refused", subject=msg.subject, attempts=_MAX_REFUSALS, error=error[:200],
+            log.error("js_publish_refused", subject=msg.subject, attempts=_MAX_REFUSALS,
+                      refusal=type(error).__name__, error=error.detail[:200],
                       seq=None if origin is None or origin.seq < 0 else origin.seq)
         # One gap per batch, however many of its group messages were refused.
         if announce and origin is not None and origin.seq >= 0 and origin is not self._last_refused:
