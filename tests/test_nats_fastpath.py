@@ -76,7 +76,7 @@ def test_every_private_name_the_fast_path_uses_is_checked() -> None:
     missing = missing_internals(client_type=_Bare, transport_type=_Bare, subscription_type=_Bare)
     assert set(missing) == {
         "Client._send_command", "Client._flush_pending", "Client._process_msg", "Client._flush_queue",
-        "Client._pending_data_size", "Client._transport", "Client._ps", "Parser.buf", "Parser.state",
+        "Client._pending_data_size", "Client._pending", "Client._transport", "Client._ps", "Parser.buf", "Parser.state",
         "TcpTransport._io_writer", "Subscription._id",
     }
 

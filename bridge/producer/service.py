@@ -10,6 +10,7 @@ from contextlib import ExitStack
 import anyio
 import anyio.abc
 import msgspec
+import nats.js
 import structlog
 import zmq
 
@@ -19,13 +20,14 @@ from bridge.producer.config import Settings
 from bridge.producer.pipeline import StreamPipeline
 from bridge.producer.plan import StreamSettings, stream_plans
 from bridge.producer.sink.catalog import GroupCatalog
+from bridge.producer.sink.confirm import WrittenRun
 from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.jetstream import ResumePoint
 from bridge.producer.sink.publisher import NatsSink
 from bridge.producer.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.producer.sink.registry_writer import WorkerRegistry, ttl_for
 from bridge.producer.sink.reorder import reordered_runs
-from bridge.producer.sink.stream_setup import open_stream
+from bridge.producer.sink.stream_setup import open_stream, stream_state
 from bridge.producer.snapshot.bucket import SnapshotWriter, open_bucket
 from bridge.producer.snapshot.keeper import ResidencyKeeper, keep_up
 from bridge.producer.snapshot.rebuild import rebuild_rank
@@ -46,7 +48,7 @@ class Bridge:
     def __init__(self, settings: Settings, *, nats_fast_path: bool = True) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.health = Health()
+        self.health = Health(nats_unhealthy_after_s=settings.nats_unhealthy_after)
         self.metrics.info.labels(__version__, settings.worker_id).set(1)
         self.http_port: int | None = None
         self._pipelines: list[StreamPipeline] = []
@@ -62,7 +64,7 @@ class Bridge:
             if settings.snapshots else None
         keeper = self.keeper
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
-                             on_reordered=self._reordered, fast_path=nats_fast_path,
+                             on_reordered=self._reordered, on_lost=self._lost, fast_path=nats_fast_path,
                              on_written=keeper.published if keeper else None,
                              on_stored=keeper.stored if keeper else None)
         if keeper is not None:
@@ -114,6 +116,35 @@ class Bridge:
         stream stored behind a later one (bridge.producer.sink.reorder). It follows them."""
         for run in reordered_runs(batches):
             self._pipelines[run.stream].announce.gap(run.first, run.last, "reordered", epoch=run.epoch)
+
+    def _lost(self, run: WrittenRun) -> None:
+        """Core mode: batches handed to a NATS client closed for good before
+        the server confirmed them: a gap record names them."""
+        self._pipelines[run.stream].announce.gap(run.first, run.last, "connection_closed", epoch=run.epoch)
+
+    async def _nats_replaced(self) -> None:
+        """A new NATS client in place of one closed for good: what lived on
+        the old one made again (stream, registry, snapshot bucket and service)."""
+        s = self.settings
+        nc, js = self.sink.nc, self.sink.js
+        assert nc is not None
+        if js is not None:
+            await stream_state(js, s)
+        if self._registry is not None:
+            self._registry.rebind(js or nc.jetstream())
+        if self._snapshot_writer is not None and js is not None and s.snapshot_bucket:
+            try:
+                self._snapshot_writer.rebind(await open_bucket(js, s.snapshot_bucket, replicas=s.stream_replicas,
+                                                               max_age=s.stream_max_age))
+            except Exception as exc:  # JetStream busy: the writer's next rounds fail and say so
+                log.warning("snapshot_bucket_unavailable", bucket=s.snapshot_bucket, error=type(exc).__name__,
+                            detail=str(exc)[:200])
+        if self.snapshots is not None:
+            await self.snapshots.stop()
+            try:
+                await self.snapshots.start(nc)
+            except Exception as exc:  # e.g. no permission for its subjects: the bridge runs on without it
+                log.error("snapshot_service_failed", error=type(exc).__name__, detail=str(exc)[:200])
 
     def _on_subscribed(self) -> None:
         self._subscribed += 1
@@ -167,7 +198,10 @@ class Bridge:
                 await self._stop_snapshots()
                 if self._registry is not None:
                     with anyio.move_on_after(2.0):
-                        await self._registry.stopped(self.registry_entry())
+                        try:
+                            await self._registry.stopped(self.registry_entry())
+                        except Exception as exc:  # NATS away at the end: the entry ages out instead
+                            log.warning("registry_stop_failed", error=type(exc).__name__, detail=str(exc)[:200])
                 with anyio.move_on_after(max(1.0, s.drain_timeout / 2)):
                     await self.sink.close()
                 tg.cancel_scope.cancel()
@@ -178,12 +212,15 @@ class Bridge:
 
     async def _connect_and_publish(self, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
+        tg.start_soon(self.sink.supervise, self._nats_replaced)
+        tg.start_soon(self.sink.confirm)
         await self._start_registry(tg)
         await self._start_snapshots(tg)
         await self.sink.run()
 
     async def _resume_then_read(self, readers: anyio.abc.TaskGroup, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
+        tg.start_soon(self.sink.supervise, self._nats_replaced)
         points = await self._open_stream()
         await self._open_snapshot_bucket(points)
         for pipeline, point in zip(self._pipelines, points):
@@ -254,10 +291,13 @@ class Bridge:
             await self.snapshots.stop()
 
     async def _open_stream(self) -> list[ResumePoint | None]:
+        ranks = [(p.subjects.base, p.plan.dp_rank) for p in self._pipelines]
+        return await open_stream(self._js, self.settings, self.health, ranks, self.sink.denied)
+
+    def _js(self) -> nats.js.JetStreamContext:
         js = self.sink.js
         assert js is not None
-        ranks = [(p.subjects.base, p.plan.dp_rank) for p in self._pipelines]
-        return await open_stream(js, self.settings, self.health, ranks, self.sink.denied)
+        return js
 
 
 async def _stop_on_signal(stop: anyio.Event) -> None:

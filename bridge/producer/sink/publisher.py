@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -44,6 +44,7 @@ from nats.aio.client import Client as NatsClient
 from bridge.producer.config import Settings
 from bridge.producer.sink.ack_errors import NoResponders, NoStream, PermissionRefused, PublishRefusal
 from bridge.producer.sink.acks import AckWindow, Pending, Sent, Settled, Trouble
+from bridge.producer.sink.confirm import Unconfirmed, WrittenRun
 from bridge.producer.sink.encode import Outgoing
 from bridge.producer.sink.nats_fastpath import select_path
 from bridge.producer.sink.queue import BatchQueue, OutBatch
@@ -75,6 +76,9 @@ _STALL_S = 1.0
 # or the connection is dropped for another server of the cluster.
 _PING_S = 2
 
+# Core mode: how often the server is asked (PING) to confirm what it has read.
+_CONFIRM_S = 1.0
+
 # How long a permission violation keeps /readyz false, and how often it is
 # logged per subject.
 _DENIED_HOLD_S = 30.0
@@ -103,6 +107,10 @@ def _no_reorder_handler(batches: list[OutBatch]) -> None:
     return None
 
 
+def _no_loss_handler(run: WrittenRun) -> None:
+    return None
+
+
 class NatsSink:
     """`on_refused` names a batch whose message the stream refused for good;
     `on_reordered` the batches the stream stored after a later batch of the
@@ -118,6 +126,7 @@ class NatsSink:
         *,
         on_refused: Callable[[OutBatch], None] = _no_refusal_handler,
         on_reordered: Callable[[list[OutBatch]], None] = _no_reorder_handler,
+        on_lost: Callable[[WrittenRun], None] = _no_loss_handler,
         on_written: Callable[[list[Outgoing]], None] | None = None,
         on_stored: Callable[[Outgoing, bytes], None] | None = None,
         fast_path: bool = True,
@@ -138,6 +147,11 @@ class NatsSink:
         metrics.watch_in_flight(self.in_flight)
         self._on_refused = on_refused
         self._on_reordered = on_reordered
+        self._on_lost = on_lost
+        # Set when nats-py closes the current client for good (not by us).
+        self._closed = anyio.Event()
+        self._unconfirmed = Unconfirmed()
+        self.clients_replaced = 0
         # What consumers will see, for the bridge's own residency: in core mode
         # each batch once written, in JetStream mode each message once stored.
         self._on_written = on_written if not settings.jetstream else None
@@ -166,6 +180,18 @@ class NatsSink:
     async def _on_disconnect(self) -> None:
         if self._closing:
             return
+        nc = self.nc
+        if self._settings.jetstream and nc is not None:
+            # What nats-py still holds of ours would go to the next server
+            # first, ahead of what the lost socket took with it: the ack
+            # window sends all of it again, oldest first, instead.
+            self._path.drop_pending(nc)
+        if len(self._acks):
+            # Hold newer messages from now on, not from the reconnect callback:
+            # nats-py reports itself connected one PING round trip before
+            # that callback runs, and a batch published in between would be
+            # stored ahead of the ones the lost connection took with it.
+            self._acks.trouble = Trouble.RECONNECTED
         self._metrics.nats_disconnects.inc()
         self._metrics.nats_connected.set(0)
         self._health.nats_connected = False
@@ -249,6 +275,13 @@ class NatsSink:
             self._settings, f"kv-bridge {self._settings.worker_id}",
             self._on_disconnect, self._on_reconnect, self._on_error,
         )
+        closed = self._closed = anyio.Event()
+
+        async def on_closed() -> None:
+            if not self._closing:
+                closed.set()
+
+        opts["closed_cb"] = on_closed
         delay = 0.2
         while True:
             try:
@@ -265,13 +298,63 @@ class NatsSink:
                 delay = min(delay * 2, 5.0)
         if self._settings.jetstream:
             self.js = nc.jetstream()
-            # Acks for the window's reply subjects; nats-py re-subscribes after a reconnect.
-            self._acks = AckWindow(nc.new_inbox(), self._on_stored)
+            # Acks for the window's reply subjects; nats-py re-subscribes after
+            # a reconnect, and a client that replaces a closed one takes the
+            # same inbox, so acks owed to the window still find it.
+            if not self._acks.inbox:
+                self._acks = AckWindow(nc.new_inbox(), self._on_stored)
             await self._path.route_acks(nc, self._acks.inbox, self._acks.on_ack)
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
         self._connected.set()
         log.info("nats_connected", server=self._server(), jetstream=self._settings.jetstream)
+
+    async def supervise(self, on_replaced: Callable[[], Awaitable[None]]) -> None:
+        """Replaces a client nats-py closed for good (any server -ERR but a
+        permission error closes it: a reply over max_payload, an authorization
+        change) with a new connection, with backoff, then `on_replaced` makes
+        again what lived on the old one. JetStream: the ack window sends its
+        unacked messages again, oldest first. Core: what the old client may
+        have taken with it is named by gap records. Until cancelled."""
+        while True:
+            await self._closed.wait()
+            nc = self.nc
+            error = nc.last_error if nc is not None else None
+            began = time.monotonic()
+            self._metrics.nats_connected.set(0)
+            self._health.nats_connected = False
+            self._connected = anyio.Event()
+            log.error("nats_client_closed", server=self._server(), error=type(error).__name__ if error else None,
+                      detail=str(error)[:200] if error else None, unacked=len(self._acks),
+                      hint="the NATS client was closed for good: connecting a new one")
+            if not self._settings.jetstream:
+                for run in self._unconfirmed.take():
+                    self._on_lost(run)
+            self._generation += 1
+            if len(self._acks):
+                self._acks.trouble = Trouble.RECONNECTED
+            await self.connect()
+            self.clients_replaced += 1
+            self._metrics.nats_clients_replaced.inc()
+            await on_replaced()
+            log.warning("nats_client_replaced", server=self._server(), down_s=round(time.monotonic() - began, 3),
+                        replaced=self.clients_replaced)
+
+    async def confirm(self) -> None:
+        """Core mode: asks the server every `_CONFIRM_S` to confirm (PONG)
+        what it has read, so only what was written since is in doubt when a
+        client is closed for good. Until cancelled."""
+        while True:
+            await anyio.sleep(_CONFIRM_S)
+            nc = self.nc
+            if nc is None or not nc.is_connected:
+                continue
+            mark = self._unconfirmed.mark()
+            try:
+                await nc.flush(timeout=_PING_S * 2)
+            except (nats.errors.Error, TimeoutError):
+                continue
+            self._unconfirmed.confirm(mark)
 
     # -- publishing ------------------------------------------------------
 
@@ -306,7 +389,7 @@ class NatsSink:
             batch = queue.peek()
             if batch is None:
                 continue
-            if self.nc is None or not self.nc.is_connected:
+            if not self._usable():
                 await self._connected.wait()
                 continue
             try:
@@ -330,6 +413,12 @@ class NatsSink:
                 await anyio.sleep(0.1)
                 continue
             metrics.queue_depth.set(len(queue))
+
+    def _usable(self) -> bool:
+        """Connected, and the sink's own reconnect handling done (nats-py
+        reports itself connected a PING round trip before it calls it)."""
+        nc = self.nc
+        return nc is not None and nc.is_connected and self._connected.is_set()
 
     def _lost_ack(self, now: float) -> Trouble | None:
         """Why the window's oldest message may be lost (None: no sign of it)."""
@@ -381,6 +470,8 @@ class NatsSink:
             # to the head of the queue, in order, for the retry.
             queue.requeue(batches)
             raise
+        if not self._settings.jetstream:
+            self._unconfirmed.note(batches)
         self._account(batches)
 
     async def _write(self, nc: NatsClient, sent: list[Sent]) -> None:
@@ -433,9 +524,9 @@ class NatsSink:
                 break
             token, entry = head
             nc = self.nc
-            if nc is None or not nc.is_connected:
+            if nc is None or not self._usable():
                 with anyio.move_on_after(self.stall_s):
-                    while self.nc is None or not self.nc.is_connected:
+                    while not self._usable():
                         await anyio.sleep(0.02)
                 continue
             if check_server:
@@ -559,7 +650,10 @@ class NatsSink:
             await anyio.sleep(0.01)
         self._announce_reordered()
         if self.nc is not None and self.nc.is_connected:
-            await self.nc.flush(timeout=5)
+            try:
+                await self.nc.flush(timeout=5)
+            except (nats.errors.Error, TimeoutError) as exc:  # lost on the way out: nothing more to do
+                log.warning("nats_flush_failed", error=type(exc).__name__)
 
     async def close(self) -> None:
         if self.nc is None:

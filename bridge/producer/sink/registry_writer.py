@@ -42,6 +42,11 @@ class WorkerRegistry:
         self._lock = anyio.Lock()
         self._stopped = False
 
+    def rebind(self, js: nats.js.JetStreamContext) -> None:
+        """JetStream on a new NATS connection (the old one was closed): the next beat opens the bucket there."""
+        self._js = js
+        self._kv = None
+
     async def open(self) -> KeyValue:
         if self._kv is None:
             try:

@@ -45,7 +45,7 @@ async def stream_state(js: nats.js.JetStreamContext, settings: Settings) -> Stre
     return StreamState.CREATED if created else StreamState.PRESENT
 
 
-async def open_stream(js: nats.js.JetStreamContext, settings: Settings, health: Health,
+async def open_stream(current_js: Callable[[], nats.js.JetStreamContext], settings: Settings, health: Health,
                       ranks: Sequence[tuple[str, int]], denied: Callable[[str], bool]) -> list[ResumePoint | None]:
     """The stream made or verified, and each rank's resume point (`ranks`:
     its subject base and dp rank) read back. Until both answer (a cluster
@@ -53,12 +53,14 @@ async def open_stream(js: nats.js.JetStreamContext, settings: Settings, health: 
     not answer direct gets yet, a stream the operator must fix, a permission
     missing) it says why, retries, and keeps the bridge not ready; nothing is
     read from ZMQ meanwhile (vLLM's replay buffer holds it). A rank whose last
-    message the NATS user may not read back starts fresh instead (said once)."""
+    message the NATS user may not read back starts fresh instead (said once).
+    `current_js` is asked on every try: the client may be replaced meanwhile."""
     delay = 0.2
     created = False
     points: list[ResumePoint | None] = []
     while len(points) < len(ranks):
         base, dp_rank = ranks[len(points)]
+        js = current_js()
         try:
             if not created:
                 await ensure_stream(js, settings)
