@@ -338,3 +338,34 @@ def test_reordered_batches_coalesce_into_runs_per_rank_and_epoch() -> None:
     assert [(r.stream, r.epoch, r.first, r.last) for r in reordered_runs(batches)] == [
         (0, 7, 5, 7), (0, 7, 9, 9), (1, 7, 3, 3),
     ]
+
+
+def test_core_mode_names_only_what_no_answered_ping_covers() -> None:
+    from bridge.producer.sink.confirm import Unconfirmed
+
+    written = Unconfirmed()
+    written.note([_batch(s) for s in (0, 1, 2)])
+    mark = written.mark()
+    written.note([_batch(s) for s in (3, 4)] + [_batch(9, stream=1)])
+    written.confirm(mark)  # the PING after 0..2 was answered
+    later = written.mark()
+    written.note([_batch(5)])
+    assert [(r.stream, r.first, r.last) for r in written.take()] == [(0, 3, 5), (1, 9, 9)]
+    written.confirm(later)  # a late answer for what was already taken: nothing changes
+    assert written.take() == []
+
+
+def test_healthz_fails_once_nats_is_unusable_past_the_bound() -> None:
+    from bridge.producer.telemetry.health import Health
+
+    health = Health(nats_unhealthy_after_s=0.05)
+    health.nats_connected = True
+    assert health.live()
+    health.nats_connected = False
+    assert health.live()  # not yet past the bound
+    assert health.nats_down_since is not None
+    health.nats_down_since -= 0.06  # as if it had been down that long
+    assert not health.live() and health.nats_down_for() >= 0.05
+    health.nats_connected = True
+    assert health.live() and health.nats_down_for() == 0.0
+    assert Health(nats_unhealthy_after_s=0.0).live()  # 0: never
