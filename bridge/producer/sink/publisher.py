@@ -27,6 +27,7 @@ one log line per subject, a metric, /readyz false.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -76,8 +77,11 @@ _STALL_S = 1.0
 # or the connection is dropped for another server of the cluster.
 _PING_S = 2
 
-# Core mode: how often the server is asked (PING) to confirm what it has read.
+# Core mode: how often the server is asked (PING) to confirm what it has
+# read, and a wait for its answer longer than any connection lives unanswered
+# (nats-py drops a connection after three unanswered pings, 10 s apart).
 _CONFIRM_S = 1.0
+_CONFIRM_WAIT_S = 3600
 
 # How long a permission violation keeps /readyz false, and how often it is
 # logged per subject.
@@ -343,18 +347,34 @@ class NatsSink:
     async def confirm(self) -> None:
         """Core mode: asks the server every `_CONFIRM_S` to confirm (PONG)
         what it has read, so only what was written since is in doubt when a
-        client is closed for good. Until cancelled."""
+        client is closed for good. Until cancelled.
+
+        One PING at a time, never given up: nats-py answers a PONG by setting
+        the oldest waiting future, and one cancelled by a timeout makes its
+        reader fail and drop the connection (and with it, in core mode, what
+        the socket held). A frozen server is nats-py's own to detect."""
+        asking: asyncio.Future[None] | None = None
+        asked_on: tuple[NatsClient | None, int] = (None, -1)
+        asked_at = 0.0
+        mark = 0
         while True:
-            await anyio.sleep(_CONFIRM_S)
+            await anyio.sleep(0.1)
+            if asking is not None:
+                if asking.done():
+                    if not asking.cancelled() and asking.exception() is None:
+                        self._unconfirmed.confirm(mark)
+                    asking = None
+                elif asked_on != (self.nc, self._generation):
+                    asking = None  # nats-py forgets a lost connection's pings: so does this
+                else:
+                    continue
             nc = self.nc
-            if nc is None or not nc.is_connected:
+            now = time.monotonic()
+            if nc is None or not nc.is_connected or now - asked_at < _CONFIRM_S:
                 continue
+            asked_at, asked_on = now, (nc, self._generation)
             mark = self._unconfirmed.mark()
-            try:
-                await nc.flush(timeout=_PING_S * 2)
-            except (nats.errors.Error, TimeoutError):
-                continue
-            self._unconfirmed.confirm(mark)
+            asking = asyncio.ensure_future(nc.flush(timeout=_CONFIRM_WAIT_S))
 
     # -- publishing ------------------------------------------------------
 
