@@ -17,6 +17,7 @@ import msgspec
 
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
+from bridge.producer.source.discovery import Source
 from bridge.runtime.access import (
     NATS_AUTH_OPTIONS,
     NATS_URL,
@@ -34,6 +35,9 @@ from bridge.runtime.access import (
 DEFAULT_MAX_FRAME_BYTES: dict[str, int] = {"msgpack": 8 * 1024 * 1024, "json": 4 * 1024 * 1024}
 
 OPTIONS: tuple[Option, ...] = (
+    Option("--vllm-url", "str", "",
+           "vLLM's HTTP server (e.g. http://127.0.0.1:8000): read its /kv_event_sources (vLLM 0.31.0 and later), subscribe to every rank it lists and follow its restarts. Replaces --zmq-endpoint, --replay-endpoint, --dp-ranks and --topic."),
+    Option("--vllm-poll-interval", "float", 5.0, "With --vllm-url: seconds between reads of /kv_event_sources, while waiting for vLLM and to notice new endpoints after a restart."),
     Option("--zmq-endpoint", "list", ["tcp://127.0.0.1:5557"],
            "vLLM PUB endpoint (repeatable; env: comma-separated). With --dp-ranks N, one endpoint stands for ranks 0..N-1 on consecutive ports."),
     Option("--replay-endpoint", "list", [],
@@ -90,9 +94,14 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 
+_DEFAULTS: dict[str, Any] = {opt.dest: opt.default for opt in OPTIONS}
+
+
 class Settings(NatsAccess, frozen=True):
     """Every option of `kv-bridge run`; the NATS access fields come from NatsAccess."""
 
+    vllm_url: str
+    vllm_poll_interval: float
     zmq_endpoint: list[str]
     replay_endpoint: list[str]
     dp_ranks: int
@@ -131,6 +140,8 @@ class Settings(NatsAccess, frozen=True):
     snapshot_interval: float
     snapshot_events: int
     snapshot_log_bytes: int
+    # The publishers vLLM listed at --vllm-url; set by the bridge, not an option.
+    sources: list[Source] = []
 
     def __repr__(self) -> str:  # secrets must never reach a log line through repr
         return f"Settings(worker_id={self.worker_id!r}, nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
@@ -145,6 +156,8 @@ class Settings(NatsAccess, frozen=True):
 
     def stream_endpoints(self) -> list[tuple[int, str, str | None]]:
         """(dp_rank, PUB endpoint, replay endpoint or None) for every publisher."""
+        if self.sources:
+            return [(s.dp_rank, s.endpoint, s.replay_endpoint) for s in self.sources]
         out: list[tuple[int, str, str | None]] = []
         for i, endpoint in enumerate(self.zmq_endpoint):
             replay = self.replay_endpoint[i] if i < len(self.replay_endpoint) else None
@@ -189,6 +202,12 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
         if not cond:
             raise ConfigError(flag, problem)
 
+    if values["vllm_url"]:
+        check(values["vllm_url"].startswith(("http://", "https://")), "--vllm-url", "must be an http:// or https:// URL")
+        for dest in ("zmq_endpoint", "replay_endpoint", "dp_ranks", "topic"):
+            check(values[dest] == _DEFAULTS[dest], "--" + dest.replace("_", "-"),
+                  "comes from vLLM's /kv_event_sources with --vllm-url: give one or the other")
+        check(values["vllm_poll_interval"] > 0, "--vllm-poll-interval", "must be positive")
     check(bool(values["zmq_endpoint"]), "--zmq-endpoint", "at least one endpoint is needed")
     for endpoint in values["zmq_endpoint"] + values["replay_endpoint"]:
         check(endpoint.startswith(("tcp://", "ipc://", "inproc://")), "--zmq-endpoint",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import signal
 import time
 from contextlib import ExitStack
 
@@ -36,6 +35,7 @@ from bridge.producer.telemetry.health import Health
 from bridge.producer.telemetry.http import serve_http
 from bridge.producer.telemetry.metrics import Metrics
 from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.stopping import stop_on_signal
 
 log = structlog.get_logger("bridge.producer.service")
 
@@ -177,7 +177,7 @@ class Bridge:
                 self.http_port = await tg.start(serve_http, s.http_host, s.http_port, self.metrics, self.health)
                 tg.start_soon(self._heartbeat)
                 if handle_signals:
-                    tg.start_soon(_stop_on_signal, stop)
+                    tg.start_soon(stop_on_signal, stop)
                 async with anyio.create_task_group() as readers:
                     if s.jetstream:
                         # Resume needs the stream before the first ZMQ batch is taken.
@@ -300,14 +300,6 @@ class Bridge:
         return js
 
 
-async def _stop_on_signal(stop: anyio.Event) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("signal", signal=signal.Signals(signum).name)
-            stop.set()
-            return
-
-
 def run_bridge(settings: Settings) -> int:
     """Entry for `kv-bridge run`: an embedded nats-server when no URL is given."""
     with ExitStack() as stack:
@@ -321,4 +313,8 @@ def run_bridge(settings: Settings) -> int:
         # that decoding's short-lived lists trigger stop re-scanning it.
         gc.collect()
         gc.freeze()
+        if settings.vllm_url:
+            from bridge.producer.follow_vllm import follow  # it runs Bridge: imported here, not in a circle
+
+            return anyio.run(follow, settings)
         return anyio.run(lambda: Bridge(settings).run(handle_signals=True))

@@ -1,6 +1,6 @@
-"""How a consumer command ends: SIGINT (Ctrl-C) or SIGTERM cancels its work,
-which then closes its NATS connection, however far it got (connecting,
-bootstrapping, watching)."""
+"""How a command ends on SIGINT (Ctrl-C) or SIGTERM: a consumer's work is
+cancelled, which then closes its NATS connection, however far it got
+(connecting, bootstrapping, watching); the bridge is told to stop, and drains."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import threading
 from collections.abc import Awaitable, Callable
 
 import anyio
+import structlog
+
+log = structlog.get_logger("bridge.runtime.stopping")
 
 # How long closing the NATS connection may take once asked to stop.
 CLOSE_S = 3.0
@@ -36,6 +39,15 @@ async def until_signal(main: Callable[[], Awaitable[int]]) -> int:
         tg.start_soon(_signals)
         tg.start_soon(_run)
     return rc
+
+
+async def stop_on_signal(stop: anyio.Event) -> None:
+    """Sets `stop` at the first SIGTERM or SIGINT."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal", signal=signal.Signals(signum).name)
+            stop.set()
+            return
 
 
 async def close_quietly(close: Callable[[], Awaitable[None]]) -> None:

@@ -24,7 +24,7 @@ NAMESPACE = "kvb-test"
 INSTALL_HINT = "run `bash scripts/install-chart-tools.sh` (installs helm v4, kubernetes-validate, hadolint into .tools/)"
 
 # Kinds kubernetes-validate has no schema for (CRDs); checked by hand instead.
-CRD_KINDS = {"PodMonitor"}
+CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 # The chart's kubeVersion floor and the newest schema kubernetes-validate ships.
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 

@@ -444,7 +444,7 @@ def test_podmonitor_selects_the_sidecar_pods(name: str) -> None:
     assert pm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     if name == "sidecar":
         assert pm["metadata"]["labels"]["release"] == "prometheus"
-    assert set(CRD_KINDS) == {"PodMonitor"}
+    assert set(CRD_KINDS) == {"PodMonitor", "PrometheusRule"}
 
 
 def _dashboard(docs: list[dict[str, Any]]) -> dict[str, Any]:

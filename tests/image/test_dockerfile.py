@@ -1,5 +1,6 @@
-"""Cheap checks of the container image recipe (the image build itself is too
-slow for CI; it is scripts/build-image.sh, documented in docs/kubernetes.md)."""
+"""Cheap checks of the container image recipe. The build itself and its smoke
+test are scripts/build-image.sh, which .ci/run runs after the tests
+(docs/kubernetes.md)."""
 
 from __future__ import annotations
 
