@@ -47,6 +47,11 @@ demo: $(STAMP)
 test: $(STAMP) $(RELEASES_STAMP) $(ENGINE_STAMP)
 	bash scripts/test.sh
 
+# The process-level suites with a CPU hog beside them, 5 runs in a row (HOG_RUNS=N to change).
+.PHONY: test-hog
+test-hog: $(STAMP) $(ENGINE_STAMP)
+	bash scripts/hog.sh
+
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 

@@ -57,7 +57,7 @@ async def test_every_vllm_event_arrives_once_in_order_on_its_subject(nats_server
     )
     settings = make_settings(
         zmq_endpoint=[f"tcp://127.0.0.1:{port}"], replay_endpoint=[f"tcp://127.0.0.1:{replay_port}"],
-        nats_url=[nats_server.url], topic="kv", format=fmt, worker_id="pod.a b*>",
+        nats_url=[nats_server.url], topic="kv", format=fmt, worker_id="pod.a b*>", prompt_data="relay",
     )
     bus = await BusCollector(fmt).start(nats_server.url)
     batches = _hybrid_batches(12)

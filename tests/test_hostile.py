@@ -203,7 +203,8 @@ async def _run_bridge(nats_server: NatsServerProcess, payloads: list[bytes], fmt
     proc = subprocess.Popen(
         [sys.executable, "-m", "bridge", "run", "--zmq-endpoint", pub_ep, "--nats-url", nats_server.url,
          "--http-port", str(http), "--http-host", "127.0.0.1", "--worker-id", "hostile", "--idle-probe-interval", "0",
-         "--log-level", "warning", "--format", fmt],
+         "--log-level", "warning", "--format", fmt,
+         "--prompt-data", "relay"],  # the frames' token ids, extra keys and lookaheads travel on, as sent
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy(),
     )
     try:

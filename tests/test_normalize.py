@@ -181,12 +181,49 @@ def test_in_an_offload_tier_a_state_store_is_reduced_to_its_last_hash(relay: boo
 
 def test_a_state_store_with_no_hash_is_dropped_and_counted() -> None:
     run = Run()
+    run.batch([stored_map([H[2]], 2, "mamba")])  # the group has had its first message
     # what a real engine's Mamba group sends for blocks that hold no state
     items = run.batch([stored_map([], 2, "mamba"), stored_map([], 2, "mamba"), stored_map([H[0]], 0, "full_attention")])
     assert list(groups(items)) == [0]
     assert run.stats.dropped["state_no_hash"] == 2
     items = run.batch([stored_map([], 2, "mamba"), stored_map([H[1]], 2, "mamba")])
     assert [e.block_hashes for e in groups(items)[2].events] == [[H[1]]]
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_groups_first_slice_goes_out_as_its_shape_when_nothing_in_it_names_a_position(relay: bool) -> None:
+    """A real engine's first request: the attention group stores blocks, the
+    state groups only hash-less stores. Consumers must learn of the state
+    groups from this batch on (an empty state group allows no prefix)."""
+    run = Run(relay)
+    attention = stored_map(H[:2], 3, "full_attention", block_size=640)
+    hashless = stored_map([], 0, "mamba", block_size=640, parent_block_hash=H[7], extra_keys=[["salt"]],
+                          lookahead_token_ids=[[1]])
+    items = run.batch([attention, hashless, stored_map([], 0, "mamba", block_size=640)])
+    got = groups(items)
+    assert list(got) == [3, 0]
+    (shape,) = _state_events(got[0])
+    assert (got[0].kind, got[0].family) == ("mamba", "state")
+    assert (shape.block_hashes, shape.parent_block_hash, shape.token_ids) == ([], None, [])
+    assert (shape.block_size, shape.medium, shape.group_idx, shape.kv_cache_spec_kind) == (640, "GPU", 0, "mamba")
+    assert shape.extra_keys is None and shape.lookahead_token_ids is None
+    assert run.stats.dropped["state_no_hash"] == 1 and run.stats.transformed["group_shape"] == 1
+    # met once: its hash-less stores go as before
+    assert 0 not in groups(run.batch([stored_map([], 0, "mamba"), stored_map(H[2:3], 3, "full_attention")]))
+    # a new publisher process: every group is met anew
+    run.normalizer.restarted()
+    assert list(groups(run.batch([stored_map([], 0, "mamba")]))) == [0]
+
+
+def test_a_window_group_of_placeholders_only_goes_out_once_as_its_shape() -> None:
+    run = Run()
+    placeholder = stored_map([H[1]], 1, "sliding_window", medium="CPU", block_size=0,
+                             kv_cache_spec_sliding_window=80)
+    (shape,) = groups(run.batch([placeholder]))[1].events
+    assert (shape.block_hashes, shape.medium, shape.kv_cache_spec_sliding_window) == ([], "CPU", 80)
+    assert run.stats.dropped["window_placeholder"] == 0
+    assert groups(run.batch([placeholder])) == {}
+    assert run.stats.dropped["window_placeholder"] == 1
 
 
 # -- bounds on hostile batches -------------------------------------------------

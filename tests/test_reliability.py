@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import Counter
 
 import anyio
 import msgspec
 import pytest
+import zmq
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.wire_writer import encode_batch, removed, stored
 from bridge.contract import GroupMessage
 from bridge.producer.normalize.normalizer import MAX_MESSAGES_PER_BATCH
+from bridge.producer.source.frames import END_SEQ_FRAME, socket_limit
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, metric, running_bridge
 
@@ -292,3 +295,195 @@ async def test_a_slice_over_max_payload_arrives_in_chunks_that_fit(nats_server: 
     assert all(len(bus.raw[i]) <= 1024 * 1024 for i in at)  # nats-server's default max_payload
     assert [h for p in pieces for ev in p.events for h in ev.block_hashes] == hashes
     assert bus.records("gap") == []
+
+
+class HangingReplay:
+    """A PUB and a replay ROUTER like vLLM's, except that an answer stops,
+    without its end marker, at any seq in `hang_at`: a replay that cannot
+    complete, whatever is asked again."""
+
+    def __init__(self, pub_ep: str, replay_ep: str, hang_at: set[int], garble: bool = False) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # XPUB: sends as PUB does, and shows when the bridge has subscribed
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(pub_ep.replace("127.0.0.1", "*"))
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(replay_ep.replace("127.0.0.1", "*"))
+        self._hang_at = hang_at
+        # `garble`: the answer sends a malformed frame (a 3-byte seq) where it stops
+        self._garble = garble
+        self._buffer: list[bytes] = []
+        self.asked: list[int] = []
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def publish(self, payload: bytes, *, drop: bool = False) -> None:
+        seq = len(self._buffer)
+        self._buffer.append(payload)
+        if not drop:
+            self._pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    async def subscribed(self) -> None:
+        with anyio.fail_after(10):
+            while not self._pub.poll(0):
+                await anyio.sleep(0.02)
+        self._pub.recv()
+
+    def _serve(self) -> None:
+        while self._running:
+            if not self._router.poll(20):
+                continue
+            client, _, start = self._router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.asked.append(first)
+            for seq in range(first, len(self._buffer)):
+                if seq in self._hang_at:
+                    if self._garble:
+                        self._router.send_multipart([client, b"", b"", b"bad", self._buffer[seq]])
+                    break
+                self._router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), self._buffer[seq]])
+            else:
+                self._router.send_multipart([client, b"", b"", END_SEQ_FRAME, b""])
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(5)
+        self._pub.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()
+
+
+async def test_a_replay_that_never_completes_is_given_up_and_named(nats_server: NatsServerProcess) -> None:
+    """Replay stops at seq 5 every time it is asked: after the retries the
+    bridge skips 5, takes 6..9 from an answer that starts past it, names 5
+    alone, and the live stream goes on (issue 25)."""
+    pub_ep, replay_ep = endpoints()
+    pub = HangingReplay(pub_ep, replay_ep, hang_at={5})
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, replay_timeout="0.3", replay_retries="1")
+    try:
+        async with running_bridge(settings):
+            await _until_subscribed(pub, bus)
+            for i in range(1, 10):
+                pub.publish(batch(i), drop=i >= 5)
+            pub.publish(batch(10))
+            await bus.wait_for(lambda b: 10 in b.seqs(), timeout=10)
+            for i in range(11, 13):
+                pub.publish(batch(i))
+            await bus.wait_for(lambda b: 12 in b.seqs(), timeout=10)
+    finally:
+        pub.close()
+        await bus.close()
+    assert bus.seqs() == [i for i in range(13) if i != 5]
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(5, 5, "replay_timeout")]
+    # two attempts at 5 (one retry), then one past it
+    assert pub.asked == [5, 5, 6]
+
+
+async def test_a_quiet_tail_replay_cannot_return_is_named_once_live_shows_it(nats_server: NatsServerProcess) -> None:
+    """Replay never answers past seq 4 and the stream is quiet: an idle probe
+    proves nothing lost (no gap, no endless retry); the next live batch shows
+    the hole, and it is named within one recovery."""
+    pub_ep, replay_ep = endpoints()
+    pub = HangingReplay(pub_ep, replay_ep, hang_at=set(range(5, 8)))
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, replay_timeout="0.3", replay_retries="1",
+                                          idle_probe_interval="0.2")
+    try:
+        async with running_bridge(settings) as bridge:
+            await _until_subscribed(pub, bus)
+            for i in range(1, 8):
+                pub.publish(batch(i), drop=i >= 5)
+            await bus.wait_for(lambda b: 4 in b.seqs(), timeout=10)
+            with anyio.fail_after(10):
+                while metric(bridge, "kvbridge_replays_total", result="timeout") < 2:
+                    await anyio.sleep(0.05)
+            assert bus.records("gap") == []
+            pub.publish(batch(8))
+            await bus.wait_for(lambda b: 8 in b.seqs(), timeout=10)
+    finally:
+        pub.close()
+        await bus.close()
+    assert bus.seqs() == [0, 1, 2, 3, 4, 8]
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(5, 7, "replay_timeout")]
+
+
+async def test_a_malformed_replay_answer_in_a_quiet_tail_is_skipped_and_named(
+        nats_server: NatsServerProcess) -> None:
+    """Every answer that reaches seq 6 sends a malformed frame there and
+    stops: the probe takes 5, asks from 6 again, then skips it, names it,
+    and publishes 7 and 8."""
+    pub_ep, replay_ep = endpoints()
+    pub = HangingReplay(pub_ep, replay_ep, hang_at={6}, garble=True)
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, replay_timeout="0.3", replay_retries="1",
+                                          idle_probe_interval="0.2")
+    try:
+        async with running_bridge(settings) as bridge:
+            await _until_subscribed(pub, bus)
+            for i in range(1, 9):
+                pub.publish(batch(i), drop=i >= 5)
+            await bus.wait_for(lambda b: 8 in b.seqs(), timeout=10)
+            assert metric(bridge, "kvbridge_malformed_total", reason="bad_seq") >= 2
+    finally:
+        pub.close()
+        await bus.close()
+    assert bus.seqs() == [0, 1, 2, 3, 4, 5, 7, 8]
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(6, 6, "replay_timeout")]
+    # from 6 a bounded number of times (twice a probe; the first probe's
+    # bound may end before its second), then past it
+    assert 2 <= pub.asked.count(6) <= 4 and pub.asked.index(7) > pub.asked.index(6), pub.asked
+
+
+async def test_oversize_frames_in_a_quiet_tail_are_skipped_and_named(nats_server: NatsServerProcess) -> None:
+    """Two batches past the socket limit among a lost tail: each replay answer
+    holding one is cut off by libzmq; the probe skips each, names it, and
+    publishes every good batch around them."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    oversize = 2 * socket_limit(1024)
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, max_frame_bytes="1024",
+                                          replay_timeout="5", idle_probe_interval="0.2")
+    try:
+        async with running_bridge(settings) as bridge:
+            for i in range(5):
+                pub.publish(batch(i))
+            await bus.wait_for(lambda b: 4 in b.seqs(), timeout=10)
+            for i in range(5, 10):
+                pub.publish(b"\x00" * oversize if i in (5, 7) else batch(i), drop=True)
+            await bus.wait_for(lambda b: 9 in b.seqs(), timeout=20)
+            # cut off at once, never waiting the 5 s replay timeout out
+            assert metric(bridge, "kvbridge_replays_total", result="timeout") >= 2
+    finally:
+        pub.close()
+        await bus.close()
+    assert bus.seqs() == [0, 1, 2, 3, 4, 6, 8, 9]
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(5, 5, "replay_timeout"),
+                                                                               (7, 7, "replay_timeout")]
+
+
+async def _until_subscribed(pub: HangingReplay, bus: BusCollector) -> None:
+    """Seq 0 goes out once the SUB has joined, and is published."""
+    await pub.subscribed()
+    pub.publish(batch(0))
+    await bus.wait_for(lambda b: 0 in b.seqs(), timeout=10)
+
+
+async def test_a_replay_socket_nobody_listens_on_costs_one_attempt(nats_server: NatsServerProcess) -> None:
+    """A wrong --replay-endpoint: no connection is ever made, so retrying is
+    no use; each gap costs one --replay-timeout and is named."""
+    pub_ep, replay_ep = endpoints()
+    pub = WirePublisher(pub_ep.replace("127.0.0.1", "*"), None)
+    settings, bus = await _bridge_and_bus(nats_server, pub_ep, replay_ep, replay_timeout="0.5", replay_retries="3")
+    try:
+        async with running_bridge(settings) as bridge:
+            pub.publish(batch(0))
+            await bus.wait_for(lambda b: 0 in b.seqs(), timeout=10)
+            pub.publish(batch(1), drop=True)
+            pub.publish(batch(2))
+            await bus.wait_for(lambda b: 2 in b.seqs(), timeout=10)
+            assert metric(bridge, "kvbridge_replays_total", result="timeout") == 1
+    finally:
+        pub.close()
+        await bus.close()
+    assert [(g.gap_from, g.gap_to, g.reason) for g in bus.records("gap")] == [(1, 1, "replay_timeout")]

@@ -1,4 +1,4 @@
-"""The consumers' subcommands of `kv-bridge`; each module adds its own parser."""
+"""The consumers' subcommands of `kv-bridge` (and `nats-permissions`); each module adds its own parser."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 
 REGISTRARS: list[Registrar] = []
 
-from bridge.apps import fleet, tail, watch  # noqa: E402  (tool modules come after REGISTRARS exists)
+from bridge.apps import fleet, permissions, tail, watch  # noqa: E402  (tool modules come after REGISTRARS exists)
 
 REGISTRARS.append(tail.register)
 REGISTRARS.append(watch.register)
 REGISTRARS.append(fleet.register)
+REGISTRARS.append(permissions.register)

@@ -32,7 +32,12 @@ GroupEvent = Union[BlockStored, BlockRemoved]
 
 
 class GroupMessage(msgspec.Struct, gc=False):
-    """One vLLM batch's slice for one kv_cache_group, events in batch order."""
+    """One vLLM batch's slice for one kv_cache_group, events in batch order.
+
+    A group's first slice of an epoch always goes out: when nothing in it
+    names a position, its one event is the group's shape store, a BlockStored
+    with no hash that stores nothing (docs/contract.md, "A group's first
+    message"), so consumers know every group from its first batch."""
 
     v: int
     worker: str

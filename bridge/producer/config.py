@@ -15,10 +15,11 @@ from typing import Any
 
 import msgspec
 
-from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id
+from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id, worker_token
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
 from bridge.producer.source.discovery import Source
 from bridge.runtime.access import (
+    DEFAULT_INBOX_PREFIX,
     NATS_AUTH_OPTIONS,
     NATS_URL,
     SUBJECT_PREFIX,
@@ -49,6 +50,10 @@ OPTIONS: tuple[Option, ...] = (
     SUBJECT_PREFIX,
     Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
     Option("--group-kind", "list", [], "Pin a group's kind: IDX=KIND (repeatable), e.g. 1=mamba."),
+    Option("--prompt-data", "choice", "redact",
+           "What relayed stores say of the prompt. redact: token ids become as many zeros, extra_keys (which "
+           "carry cache_salt) and lookahead token ids go; relay: as vLLM sent them, for consumers that hash "
+           "tokens themselves (docs/security.md).", ("redact", "relay")),
     Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
     Option("--max-frame-bytes", "int", 0, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped. 0: 8 MiB with msgpack output, 4 MiB with JSON output (which decodes every field, so a frame costs more memory)."),
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
@@ -57,6 +62,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--coalesce-ms", "float", 0.5,
            "When vLLM batches come less than this apart, wait this long after taking some, so the next few go to NATS in one write (0: never wait). Slower streams and backlogs never wait."),
     Option("--replay-timeout", "float", 2.0, "Seconds to wait for a replay answer."),
+    Option("--replay-retries", "int", 2,
+           "A replay attempt that returns nothing (no answer in time, a frame past the socket limit, a malformed answer) is made again this many times; then its first seq is skipped, and named by a gap once replay answers from past it. One gap's recovery holds the live stream back at most (retries + 2) x --replay-timeout (8 s by default)."),
     Option("--idle-probe-interval", "float", 2.0, "While a publisher is quiet, ask its replay socket this often for batches lost at the tail (0: never)."),
     Option("--http-host", "str", "0.0.0.0", "Address for /metrics, /healthz, /readyz."),
     Option("--http-port", "int", 9400, "Port for /metrics, /healthz, /readyz (0: any free port)."),
@@ -109,6 +116,7 @@ class Settings(NatsAccess, frozen=True):
     worker_id: str
     format: str
     group_kind: dict[int, str]
+    prompt_data: str
     keep_placeholders: bool
     max_frame_bytes: int
     max_buffered_batches: int
@@ -116,6 +124,7 @@ class Settings(NatsAccess, frozen=True):
     zmq_rcvhwm: int
     coalesce_ms: float
     replay_timeout: float
+    replay_retries: int
     idle_probe_interval: float
     http_host: str
     http_port: int
@@ -224,6 +233,9 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     except ValueError as exc:
         raise ConfigError("--worker-id", str(exc)) from None
     check_prefix(values["subject_prefix"])
+    if not values["nats_inbox_prefix"]:
+        # The name `kv-bridge nats-permissions` gives this bridge's user.
+        values["nats_inbox_prefix"] = f"{DEFAULT_INBOX_PREFIX}.bridge-{worker_token(values['worker_id'], 0)}"
     kinds: dict[int, str] = {}
     for spec in values["group_kind"]:
         try:
@@ -240,6 +252,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
           "--max-buffered-bytes", "must be 0 (no bound) or at least 1 MiB")
     check(0 <= values["coalesce_ms"] <= 100, "--coalesce-ms", "must be 0..100")
     check(values["replay_timeout"] > 0, "--replay-timeout", "must be positive")
+    check(0 <= values["replay_retries"] <= 10, "--replay-retries", "must be 0..10")
     check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
     check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
     check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")

@@ -24,6 +24,7 @@ from bridge.producer.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.source.continuity import Continuity
 from bridge.producer.source.frames import FrameError, socket_limit
+from bridge.producer.source.recovery import ReplayPolicy
 from bridge.producer.source.replay import ReplayClient
 from bridge.producer.source.sequencer import SeqTracker
 from bridge.producer.source.subscriber import Subscriber
@@ -56,7 +57,7 @@ class StreamPipeline:
         self._stage = NormalizeStage(
             self.ident, BatchDecoder(relay=encoder.format == "msgpack"),
             Normalizer(KindBook(settings.pinned_kinds), settings.keep_placeholders), metrics, self._log,
-            deliver=self._deliver, gap=self.announce.gap,
+            deliver=self._deliver, gap=self.announce.gap, redact_prompts=settings.redact_prompts,
         )
         replay = (
             ReplayClient(ctx, plan.replay_endpoint, settings.replay_timeout, settings.max_frame_bytes, self._bad_frame)
@@ -65,7 +66,8 @@ class StreamPipeline:
         )
         self._continuity = Continuity(
             topic=settings.topic.encode("utf-8"), max_frame_bytes=settings.max_frame_bytes, replay=replay,
-            idle_probe_s=settings.idle_probe_s, metrics=metrics, log=self._log, emit=self._stage.frame,
+            policy=ReplayPolicy(settings.replay_timeout, settings.replay_retries), idle_probe_s=settings.idle_probe_s,
+            metrics=metrics, log=self._log, emit=self._stage.frame,
             gap=self.announce.gap, restart=self._restart, bad_frame=self._bad_frame, timestamp=self._stage.timestamp,
         )
 

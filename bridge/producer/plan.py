@@ -30,11 +30,14 @@ class StreamSettings(msgspec.Struct, frozen=True):
     coalesce_s: float
     replay_timeout: float
     idle_probe_s: float
+    replay_retries: int
+    redact_prompts: bool = True
 
     @classmethod
     def of(cls, s: Settings) -> StreamSettings:
         return cls(s.worker_id, s.topic, s.subject_prefix, s.group_kind, s.keep_placeholders, s.max_frame_bytes,
-                   s.zmq_rcvhwm, s.coalesce_ms / 1000, s.replay_timeout, s.idle_probe_interval)
+                   s.zmq_rcvhwm, s.coalesce_ms / 1000, s.replay_timeout, s.idle_probe_interval, s.replay_retries,
+                   s.prompt_data == "redact")
 
 
 def stream_plans(s: Settings) -> list[StreamPlan]:

@@ -90,6 +90,8 @@ class Option:
         return str(raw)
 
 
+DEFAULT_INBOX_PREFIX: Final = "_INBOX"
+
 NATS_URL: Final = Option(
     "--nats-url", "list", [],
     "NATS server URL (repeatable, or comma-separated, for a cluster). "
@@ -107,6 +109,11 @@ NATS_AUTH_OPTIONS: Final[tuple[Option, ...]] = (
     Option("--nats-tls-ca", "str", "", "CA bundle to verify the NATS server."),
     Option("--nats-tls-cert", "str", "", "Client certificate for mutual TLS."),
     Option("--nats-tls-key", "str", "", "Client key for mutual TLS."),
+    Option("--nats-inbox-prefix", "str", "",
+           "Subject prefix of this client's reply inboxes; each NATS user should have its own, and be allowed "
+           "only that one, so no user reads another's replies (`kv-bridge nats-permissions` prints "
+           "`_INBOX.<user>`; it must start with `_INBOX`). Empty: `_INBOX.bridge-<worker token>` for a bridge, "
+           "`_INBOX` for the tools."),
 )
 # In the order the tools list them, and the order of NatsAccess's fields.
 ACCESS_OPTIONS: Final[tuple[Option, ...]] = (NATS_URL, SUBJECT_PREFIX, *NATS_AUTH_OPTIONS)
@@ -133,6 +140,7 @@ class NatsAccess(msgspec.Struct, frozen=True):
     nats_tls_ca: str
     nats_tls_cert: str
     nats_tls_key: str
+    nats_inbox_prefix: str
 
     def __repr__(self) -> str:  # secrets must never reach a log line through repr
         return f"NatsAccess(nats_url={[redact_url(u) for u in self.nats_url]!r}, ...)"
@@ -195,6 +203,8 @@ def check_access(access: NatsAccess) -> None:
           "--nats-user", "a NATS password needs a user name")
     check(bool(access.nats_tls_cert) == bool(access.nats_tls_key), "--nats-tls-cert",
           "client certificate and key go together")
+    check(_valid_inbox_prefix(access.nats_inbox_prefix), "--nats-inbox-prefix",
+          f"{access.nats_inbox_prefix!r} is not _INBOX or _INBOX.<tokens without wildcards>")
     for url in access.nats_url:
         if "://" in url:
             check(url.split("://", 1)[0] in _NATS_SCHEMES, "--nats-url",
@@ -224,6 +234,14 @@ def check_access(access: NatsAccess) -> None:
             check(False, "--nats-tls-cert",
                   f"{access.nats_tls_cert} and --nats-tls-key do not load as a certificate and its key "
                   f"({type(exc).__name__})")
+
+
+def _valid_inbox_prefix(prefix: str) -> bool:
+    """Empty (the default), or `_INBOX` and more tokens without wildcards:
+    the bridges answer requests only on reply subjects under `_INBOX.`."""
+    tokens = prefix.split(".")
+    return not prefix or (tokens[0] == DEFAULT_INBOX_PREFIX and all(
+        token and token.isprintable() and not any(c in token for c in " *>") for token in tokens))
 
 
 def _read(path: str) -> str:
@@ -291,6 +309,10 @@ def connect_options(
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
         "error_cb": on_error,
+        # Replies (requests, JetStream API answers and acks, ordered consumers'
+        # deliveries) arrive under this prefix only: a user allowed just its
+        # own prefix reads nobody else's replies.
+        "inbox_prefix": access.nats_inbox_prefix or DEFAULT_INBOX_PREFIX,
     }
     password = access.nats_password or (_read_secret(access.nats_password_file) if access.nats_password_file else "")
     token = access.nats_token or (_read_secret(access.nats_token_file) if access.nats_token_file else "")

@@ -155,6 +155,12 @@ def test_vllm_kv_events_wired_to_the_sidecar(values: Path) -> None:
     cfg = json.loads(args[args.index("--kv-events-config") + 1])
     assert cfg["enable_kv_cache_events"] is True
     assert cfg["publisher"] == "zmq"
+    if "KVB_VLLM_URL" in env:
+        # the sidecar reads the publishers from vLLM's own HTTP server, on the pod's loopback
+        port = vllm_of(spec)["args"][vllm_of(spec)["args"].index("--port") + 1]
+        assert env["KVB_VLLM_URL"]["value"] == f"http://127.0.0.1:{port}"
+        assert not {"KVB_ZMQ_ENDPOINT", "KVB_REPLAY_ENDPOINT", "KVB_TOPIC", "KVB_DP_RANKS"} & env.keys()
+        return
     # vLLM binds only wildcard endpoints; the sidecar connects over localhost.
     pub_port = int(cfg["endpoint"].removeprefix("tcp://*:"))
     assert env["KVB_ZMQ_ENDPOINT"]["value"] == f"tcp://127.0.0.1:{pub_port}"
@@ -163,8 +169,21 @@ def test_vllm_kv_events_wired_to_the_sidecar(values: Path) -> None:
     assert env["KVB_TOPIC"]["value"] == cfg["topic"]
 
 
+def test_the_sidecar_reads_vllms_publishers_by_default() -> None:
+    spec = workload(render(None))["spec"]["template"]["spec"]
+    env = env_map(sidecar_of(spec))
+    assert env["KVB_VLLM_URL"]["value"] == "http://127.0.0.1:8000"
+    spec = workload(render(None, "vllm.port=8080"))["spec"]["template"]["spec"]
+    assert env_map(sidecar_of(spec))["KVB_VLLM_URL"]["value"] == "http://127.0.0.1:8080"
+    spec = workload(render(None, "bridge.vllmUrl=http://10.0.0.5:9000"))["spec"]["template"]["spec"]
+    assert env_map(sidecar_of(spec))["KVB_VLLM_URL"]["value"] == "http://10.0.0.5:9000"
+    spec = workload(render(None, "bridge.vllmUrl="))["spec"]["template"]["spec"]
+    env = env_map(sidecar_of(spec))
+    assert "KVB_VLLM_URL" not in env and env["KVB_ZMQ_ENDPOINT"]["value"] == "tcp://127.0.0.1:5557"
+
+
 def test_replay_can_be_disabled() -> None:
-    spec = workload(render(None, "kvEvents.replayPort=0"))["spec"]["template"]["spec"]
+    spec = workload(render(None, "kvEvents.replayPort=0", "bridge.vllmUrl="))["spec"]["template"]["spec"]
     args = vllm_of(spec)["args"]
     assert "replay_endpoint" not in json.loads(args[args.index("--kv-events-config") + 1])
     assert "KVB_REPLAY_ENDPOINT" not in env_map(sidecar_of(spec))

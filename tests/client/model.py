@@ -12,7 +12,10 @@ from tests.client.builders import STATE
 
 def replay(log: list[tuple]) -> tuple[dict, dict, dict, Counter, set]:  # type: ignore[type-arg]
     """(trusted, suspect, placeholder) counters keyed (group, medium, h), unknown
-    removals per group, and the groups seen, from one rank's log."""
+    removals per group, and the groups seen, from one rank's log. A group is
+    seen from its first store or removal, whatever it names: a store with no
+    hash (a group's shape store) holds nothing but makes its group count in the
+    prefix rule, so an empty state group allows no prefix."""
     trusted: Counter = Counter()  # type: ignore[type-arg]
     suspect: Counter = Counter()  # type: ignore[type-arg]
     holder: Counter = Counter()  # type: ignore[type-arg]

@@ -108,6 +108,15 @@ class IndexVersusModel(RuleBasedStateMachine):
         model.watching = True
         self._send(rank, group, stored(hashes, group=group, medium=medium))
 
+    @rule(rank=st.sampled_from(RANKS), group=st.sampled_from((STATE, WIN)), medium=st.sampled_from(MEDIA))
+    def a_groups_shape_store(self, rank: int, group: int, medium: str) -> None:
+        """A group's first message when nothing in it named a position: a store
+        with no hash (a window one with vLLM's placeholder block size 0)."""
+        model = self._touch(rank)
+        model.log.append(("store", group, medium, [], False))
+        model.watching = True
+        self._send(rank, group, stored([], group=group, medium=medium, block_size=0 if group == WIN else 16))
+
     @rule(rank=st.sampled_from(RANKS), medium=st.sampled_from(MEDIA), i=st.integers(0, POOL - 1))
     def store_window_placeholder(self, rank: int, medium: str, i: int) -> None:
         model = self._touch(rank)

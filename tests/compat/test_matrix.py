@@ -380,6 +380,7 @@ async def test_whole_path_relays_every_event(nats_server: NatsServerProcess, ver
             settings = make_settings(
                 zmq_endpoint=[f"tcp://127.0.0.1:{pub_base}"], replay_endpoint=[f"tcp://127.0.0.1:{replay_base}"],
                 dp_ranks=rank + 1, nats_url=[nats_server.url], topic=golden.topic, format=fmt, worker_id=WORKER,
+                prompt_data="relay",  # every field as sent, token ids and extra_keys included
             )
             async with running_bridge(settings) as bridge:
                 await _subscribed(pubs[rank], golden.topic.encode())

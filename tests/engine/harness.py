@@ -147,7 +147,8 @@ async def kv_bridge_process(workdir: Path, nats_url: str, worker: str, port: int
     proc = subprocess.Popen(
         [str(KV_BRIDGE), "run", "--zmq-endpoint", f"tcp://127.0.0.1:{port}",
          "--replay-endpoint", f"tcp://127.0.0.1:{replay_port}", "--topic", "kv", "--worker-id", worker,
-         "--nats-url", nats_url, "--http-host", "127.0.0.1", "--http-port", "0", "--log-level", "warning"],
+         "--nats-url", nats_url, "--http-host", "127.0.0.1", "--http-port", "0", "--log-level", "warning",
+         "--prompt-data", "relay"],  # the suite checks each hash against its parent and tokens
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:

@@ -233,6 +233,7 @@ async def scenario(run: Run) -> None:
     one batch, evictions, report mode "full", reset_prefix_cache()."""
     b = run.block
     blocks = run.engine.info["blocks"]
+    await first_requests(run)
     a = doc(1, 8 * b + 1)
     await run.gen("cold 5 blocks + 7", a[:5 * b + 7])
     await run.gen("shorter prefix", a[:3 * b + 5])
@@ -260,6 +261,23 @@ async def scenario(run: Run) -> None:
     await run.reset("reset_prefix_cache")
     await run.gen("after reset", a[:5 * b + 7])
     await run.gen("after reset, again", a[:5 * b + 7])
+
+
+async def first_requests(run: Run) -> None:
+    """A fresh engine's first request fills exactly one block. vLLM keeps no
+    state checkpoint there (the prompt's last token is computed again), so a
+    hybrid's state groups send only hash-less stores for it, and a second
+    request sharing that block reuses nothing. The index must know every
+    group from that first batch on to say so."""
+    b = run.block
+    first = doc(60, b)
+    await run.gen("first request: exactly 1 block", first)
+    view = run.bus.index.view(run.worker, 0)
+    assert view is not None
+    engine_groups = {g["group"]: g["block_size"] for g in run.engine.info["groups"]}
+    assert {g: res.block_size for g, res in view.groups.items()} == engine_groups, \
+        f"groups after the first batch: {view.groups} vs the engine's {run.engine.info['groups']}"
+    await run.gen("shares the first request's block", first + doc(61, b + 5))
 
 
 def _write(name: str, text: str) -> None:

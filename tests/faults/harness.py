@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ import anyio
 import msgspec
 import nats
 import nats.js.api
+import psutil
 
 from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.contract import GroupMessage, WorkerRecord
@@ -391,6 +393,41 @@ async def wait_stable(read: Callable[[], Any], settle: float = 1.0, timeout: flo
             if now != last:
                 last, since = now, time.monotonic()
         return last
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def port_free(endpoint: str) -> bool:
+    """Whether a new publisher could bind the endpoint's tcp port now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+        try:
+            s.bind(("0.0.0.0", _port(endpoint)))
+        except OSError:
+            return False
+    return True
+
+
+async def wait_port_free(endpoint: str, timeout: float = 10.0) -> None:
+    """ZMQ releases a closed socket's port a moment later (its I/O thread)."""
+    await wait_until(lambda: port_free(endpoint), timeout)
+
+
+def has_peer(endpoint: str) -> bool:
+    """Someone holds an established connection to the endpoint's listening port."""
+    port = _port(endpoint)
+    return any(c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port
+               for c in psutil.net_connections("tcp"))
+
+
+async def wait_peer(endpoint: str, timeout: float = 10.0) -> None:
+    """Until a subscriber (the bridge's SUB, reconnecting) is connected to a
+    publisher bound on `endpoint`."""
+    with anyio.fail_after(timeout):
+        while not await anyio.to_thread.run_sync(has_peer, endpoint):
+            await anyio.sleep(0.05)
 
 
 def soak() -> bool:

@@ -12,7 +12,7 @@ import pytest
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.runtime.nats_server import NatsServerProcess, free_port
-from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
+from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published, wait_until
 from tests.faults.harness import (
     BridgeProcess,
     account,
@@ -22,6 +22,8 @@ from tests.faults.harness import (
     soak,
     wait_http,
     wait_metric,
+    wait_peer,
+    wait_port_free,
 )
 
 pytestmark = pytest.mark.anyio
@@ -78,8 +80,8 @@ async def test_bridge_killed_mid_stream_and_restarted_jetstream(nats_server: Nat
             await wait_http(http)
             await _publish(pub, sent, per[2], 300.0)
             sent += per[2]
-        await wait_metric(http, "kvbridge_batches_out_total", lambda v: v > 0)
-        await anyio.sleep(1.0)
+        # the last bridge has handed every batch to NATS; stop() settles the acks
+        await wait_metric(http, "kvbridge_last_seq", lambda v: v >= sent - 1, dp_rank="0")
         rc = proc.stop()
         assert rc == 0
     finally:
@@ -106,7 +108,9 @@ async def _run_bridge_until(settings, total: int, timeout: float = 20.0) -> None
         with anyio.move_on_after(timeout):
             while metric(bridge, "kvbridge_batches_out_total") < total:
                 await anyio.sleep(0.05)
-        await anyio.sleep(0.2)
+        # nothing queued and every publish acked: what the bridge would still send is sent
+        await wait_until(lambda: metric(bridge, "kvbridge_queue_depth") == 0
+                         and metric(bridge, "kvbridge_js_in_flight_messages") == 0, what="the bridge settled")
 
 
 async def _stream_tail_surgery(url: str, drop_last: int) -> None:
@@ -168,10 +172,11 @@ async def test_resume_after_a_kill_right_after_a_restart_record(nats_server: Nat
                 pub.publish(fault_batch(0, k))
             await wait_published(bridge, 5)
             pub.close()
-            await anyio.sleep(0.3)
+            await wait_port_free(pub_ep)
+            await wait_port_free(replay_ep)
             # a new vLLM process; the bridge first sees its live seq 3 (0..2 before it connected)
             pub = WirePublisher(_bind(pub_ep), _bind(replay_ep))
-            await anyio.sleep(0.5)
+            await wait_peer(pub_ep)
             for k in range(3):
                 pub.publish(fault_batch(1, k), drop=True)
             for k in range(3, 6):

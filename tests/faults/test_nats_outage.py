@@ -84,7 +84,8 @@ async def test_nats_killed_and_restarted_core_mode(restartable_nats: NatsServerP
             reconnects = metric(bridge, "kvbridge_nats_reconnects_total")
     finally:
         pub.close()
-    await anyio.sleep(0.5)
+    # the bridge's last word: whatever it published before reached the live bus
+    await bus.wait_records("stop")
     await bus.close()
     sent = before + during + after
     fig = account("nats_kill9_restart_core", {0: sent}, await read_stream(server.url, "FAULT_CAPTURE"),
@@ -228,14 +229,19 @@ async def test_nats_killed_with_acks_in_flight_jetstream(restartable_nats: NatsS
         server.start()
         await wait_http(http)
         await _publish(pub, 25, 10, rate=100)
-        await anyio.sleep(3.0)  # three ack timeouts
-        meanwhile = account("nats_kill9_acks_in_flight", {0: 35}, await read_stream(server.url, "KV_EVENTS"))
+        # within three ack timeouts every batch is in the stream again
+        deadline = time.monotonic() + 3.0
+        while True:
+            meanwhile = account("nats_kill9_acks_in_flight", {0: 35}, await read_stream(server.url, "KV_EVENTS"))
+            if meanwhile.lost == 0 or time.monotonic() >= deadline:
+                break
+            await anyio.sleep(0.1)
         report(meanwhile)
         first.kill9()
         second = BridgeProcess(args, tmp_path / "bridge-1.log").start()
         await wait_http(http)
         await _publish(pub, 35, 5, rate=100)
-        await anyio.sleep(1.0)
+        await wait_metric(http, "kvbridge_last_seq", lambda v: v >= 39, dp_rank="0")
         assert second.stop() == 0
     finally:
         first.stop()

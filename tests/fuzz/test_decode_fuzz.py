@@ -129,8 +129,10 @@ def _run_normalizer_and_encoders(payload: bytes, formats: tuple[str, ...], pinne
         if isinstance(item, GroupMessage):
             assert 0 <= item.group <= MAX_GROUP_ID
             if item.family == "state":
-                # a state event names its checkpoint and carries no tokens
-                assert all(e.block_hashes and not e.token_ids and e.lookahead_token_ids is None
+                # a state event names its checkpoint and carries no tokens; a
+                # hash-less one is the group's shape store, its slice's only event
+                assert all((e.block_hashes or item.events == [e]) and not e.token_ids
+                           and e.lookahead_token_ids is None
                            for e in item.events if isinstance(e, BlockStored))
     subjects = SubjectBook("kv.prod", ident.worker, ident.dp_rank)
     for fmt in formats:

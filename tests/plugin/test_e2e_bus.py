@@ -50,5 +50,7 @@ async def test_patched_mamba_checkpoints_reach_the_bus_as_state(nats_server: Nat
         assert checkpoint.parent_block_hash == before
         expected_type = bytes if hash_mode == "bytes" else int
         assert isinstance(checkpoint.block_hashes[0], expected_type)
-    # the window group's offload placeholders carry no position: dropped by default
-    assert WINDOW not in by_group
+    # the window group's offload placeholders carry no position: dropped by default; the
+    # group's first slice goes out as its shape store, naming nothing
+    assert [e.block_hashes for e in by_group[WINDOW].events] == [[]]
+    assert by_group[WINDOW].family == "window"

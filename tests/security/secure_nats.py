@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nkeys
 
+from bridge.apps.permissions import Layout, Role, admin_role, bridge_role, inbox_prefix, observe_role, reader_role
 from bridge.runtime.nats_server import NatsServerProcess
 
 # -- TLS -------------------------------------------------------------------------
@@ -202,54 +203,37 @@ class Permissions:
         return f"{{ publish: {{ allow: [{pub}] }}, subscribe: {{ allow: [{sub}] }}{responses} }}"
 
 
+def _from_role(role: Role) -> Permissions:
+    return Permissions(list(role.publish), list(role.subscribe), role.allow_responses)
+
+
+def layout(prefix: str = "kv", stream: str = "KV_EVENTS", bucket: str = "kv_workers",
+           snapshots: str = "kv_snapshots", ranks: int = 1) -> Layout:
+    return Layout(ranks=ranks, prefix=prefix, stream=stream, registry_bucket=bucket, snapshot_bucket=snapshots)
+
+
 def bridge_permissions(worker: str, ranks: int = 1, prefix: str = "kv", stream: str = "KV_EVENTS",
                        bucket: str = "kv_workers", snapshots: str = "kv_snapshots") -> Permissions:
-    """What one bridge needs, and nothing more (docs/security.md, "Least
-    privilege"): publish on its own worker's subjects, each rank's; read back
-    its own last messages (direct get by subject) and, to rebuild its
-    residency, its own subjects from the stream (a consumer of its own name
-    and filter); make or check the stream and the buckets; write its own
-    registry key and snapshot keys; answer snapshot requests on its own
-    subjects (and the micro service's discovery); replies on _INBOX."""
-    from bridge.contract import registry_key, worker_token
-    from bridge.contract.snapshot import SNAPSHOT_SERVICE, snapshot_key, snapshot_subject
-
-    publish: list[str] = []
-    subscribe = ["_INBOX.>"]
-    for rank in range(ranks):
-        token = worker_token(worker, rank)
-        key = snapshot_key(worker, rank)
-        rebuild = f"kvb-rebuild-{token}"
-        publish += [f"{prefix}.{token}.>", f"$JS.API.DIRECT.GET.{stream}.{prefix}.{token}.>",
-                    f"$JS.API.CONSUMER.CREATE.{stream}.{rebuild}.{prefix}.{token}.>",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{rebuild}", f"$JS.API.CONSUMER.DELETE.{stream}.{rebuild}",
-                    f"$KV.{snapshots}.{key}", f"$KV.{snapshots}.{key}.>",
-                    f"$JS.API.DIRECT.GET.KV_{snapshots}.$KV.{snapshots}.{key}",
-                    f"$JS.API.DIRECT.GET.KV_{snapshots}.$KV.{snapshots}.{key}.>"]
-        subscribe.append(snapshot_subject(prefix, worker, rank))
-    publish += ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}",
-                f"$JS.API.STREAM.INFO.KV_{bucket}", f"$JS.API.STREAM.CREATE.KV_{bucket}",
-                f"$KV.{bucket}.{registry_key(worker)}",
-                f"$JS.API.STREAM.INFO.KV_{snapshots}", f"$JS.API.STREAM.CREATE.KV_{snapshots}"]
-    subscribe += ["$SRV.*", f"$SRV.*.{SNAPSHOT_SERVICE}", f"$SRV.*.{SNAPSHOT_SERVICE}.*"]
-    return Permissions(publish, subscribe, allow_responses=True)
+    """What `kv-bridge nats-permissions` gives one bridge (bridge.apps.permissions)."""
+    return _from_role(bridge_role(worker, layout(prefix, stream, bucket, snapshots, ranks)))
 
 
 def reader_permissions(prefix: str = "kv", stream: str = "KV_EVENTS", bucket: str = "kv_workers",
-                       snapshots: str = "kv_snapshots") -> Permissions:
-    """A consumer: subscribe to the events, read the stream, the registry and
-    the snapshot bucket (stream info, direct gets, consumers of its own), ask
-    the bridges for snapshots; publish nothing on the events or the buckets."""
-    from bridge.contract.snapshot import SNAPSHOT_ROOT, SNAPSHOT_SERVICE
+                       snapshots: str = "kv_snapshots", user: str = "reader") -> Permissions:
+    """What `kv-bridge nats-permissions` gives a reader; its client uses
+    inbox prefix `_INBOX.<user>` (READER_INBOX for the default user)."""
+    return _from_role(reader_role(user, layout(prefix, stream, bucket, snapshots)))
 
-    publish = ["$JS.API.INFO", f"{SNAPSHOT_ROOT}.{prefix}.*", f"$SRV.INFO.{SNAPSHOT_SERVICE}"]
-    for name in (stream, f"KV_{bucket}", f"KV_{snapshots}"):
-        publish += [f"$JS.API.STREAM.INFO.{name}", f"$JS.API.STREAM.MSG.GET.{name}",
-                    f"$JS.API.DIRECT.GET.{name}", f"$JS.API.DIRECT.GET.{name}.>",
-                    f"$JS.API.CONSUMER.CREATE.{name}", f"$JS.API.CONSUMER.CREATE.{name}.>",
-                    f"$JS.API.CONSUMER.INFO.{name}.>", f"$JS.API.CONSUMER.DELETE.{name}.>",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{name}.>", f"$JS.ACK.{name}.>", f"$JS.FC.{name}.>"]
-    return Permissions(publish, [f"{prefix}.>", "_INBOX.>"])
+
+def observe_permissions(user: str = "observe") -> Permissions:
+    return _from_role(observe_role(user, layout()))
+
+
+def admin_permissions() -> Permissions:
+    return _from_role(admin_role("admin"))
+
+
+READER_INBOX = inbox_prefix("reader")
 
 
 def account_nkey() -> NKey:

@@ -28,6 +28,7 @@ from bridge.contract import GroupMessage, WorkerRecord
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.faults.harness import BridgeProcess, fault_batch, http_get, ident, metric_value, wait_http
 from tests.security.secure_nats import (
+    READER_INBOX,
     Permissions,
     bridge_permissions,
     make_operator,
@@ -196,7 +197,7 @@ async def test_least_privilege_users_both_modes_and_a_reader(tmp_path: Path) -> 
         "bridge-w2": (pw["bridge-w2"], bridge_permissions("w2")),
         "reader": (pw["reader"], reader_permissions()),
     }), jetstream=True)
-    reader_auth = {"user": "reader", "password": pw["reader"]}
+    reader_auth = {"user": "reader", "password": pw["reader"], "inbox_prefix": READER_INBOX}
     js_worker = Worker(tmp_path, "w1", 2, server.url, ["--nats-user", "bridge-w1"],
                        {"KVB_NATS_PASSWORD": pw["bridge-w1"]}, jetstream=True)
     core_worker = Worker(tmp_path, "w2", 1, server.url, ["--nats-user", "bridge-w2"],
@@ -249,7 +250,8 @@ async def test_a_worker_id_the_user_may_not_publish_is_refused_clearly(tmp_path:
     password = secret_word()
     server = start_server(tmp_path, _accounts_config({"bridge-w1": (password, bridge_permissions("w1"))}),
                           jetstream=True)
-    auth, env = ["--nats-user", "bridge-w1"], {"KVB_NATS_PASSWORD": password}
+    # The stolen credentials used as they work: with their user's inbox prefix.
+    auth, env = ["--nats-user", "bridge-w1", "--nats-inbox-prefix", "_INBOX.bridge-w1"], {"KVB_NATS_PASSWORD": password}
     js_worker = Worker(tmp_path, "intruder", 1, server.url, auth, env, jetstream=True).start()
     core_worker = Worker(tmp_path, "intruder-core", 1, server.url, auth, env, jetstream=False).start()
     try:
@@ -278,7 +280,7 @@ async def test_a_rank_the_user_may_not_publish_costs_nothing_of_the_others(tmp_p
     }), jetstream=True)
     worker = Worker(tmp_path, "w3", 2, server.url, ["--nats-user", "bridge-w3"], {"KVB_NATS_PASSWORD": password},
                     jetstream=True).start()
-    reader = {"user": "reader", "password": reading}
+    reader = {"user": "reader", "password": reading, "inbox_prefix": READER_INBOX}
     try:
         await wait_http(worker.http, "/healthz", timeout=30)
         worker.publish(BATCHES)
@@ -309,7 +311,8 @@ async def test_least_privilege_with_operator_account_and_user_jwts(tmp_path: Pat
     server = start_server(tmp_path, op.server_config(), jetstream=True)
     js_worker = Worker(tmp_path, "wj", 1, server.url, ["--nats-creds-file", str(good_js)], {}, jetstream=True)
     core_worker = Worker(tmp_path, "wc", 1, server.url, ["--nats-creds-file", str(good_core)], {}, jetstream=False)
-    intruder = Worker(tmp_path, "wx", 1, server.url, ["--nats-creds-file", str(good_js)], {}, jetstream=True)
+    intruder = Worker(tmp_path, "wx", 1, server.url, ["--nats-creds-file", str(good_js), "--nats-inbox-prefix",
+                                                      "_INBOX.bridge-wj"], {}, jetstream=True)
     nc = None
     try:
         js_worker.start()
@@ -317,7 +320,7 @@ async def test_least_privilege_with_operator_account_and_user_jwts(tmp_path: Pat
         core_worker.start()
         intruder.start()
         await wait_http(core_worker.http, timeout=30)
-        nc, seen, _ = await _reader(server.url, user_credentials=str(reader))
+        nc, seen, _ = await _reader(server.url, user_credentials=str(reader), inbox_prefix=READER_INBOX)
         js_worker.publish(BATCHES)
         core_worker.publish(BATCHES)
 
@@ -325,7 +328,8 @@ async def test_least_privilege_with_operator_account_and_user_jwts(tmp_path: Pat
             return all(_batches(seen, w, 0) == set(range(BATCHES)) for w in ("wj", "wc"))
 
         await _wait(all_seen)
-        assert await _stream_batches(server.url, "wj", 0, user_credentials=str(reader)) == set(range(BATCHES))
+        assert await _stream_batches(server.url, "wj", 0, user_credentials=str(reader),
+                                     inbox_prefix=READER_INBOX) == set(range(BATCHES))
         await _assert_refused_at_start(intruder, "kv.wx.")
         for worker in (js_worker, core_worker, intruder):
             assert await anyio.to_thread.run_sync(worker.bridge.stop) == 0

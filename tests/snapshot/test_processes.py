@@ -26,7 +26,7 @@ from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import wait_until
 from tests.client.live import live_index
 from tests.faults.harness import http_get, metric_value
-from tests.security.secure_nats import bridge_permissions, reader_permissions, secret_word, start_server
+from tests.security.secure_nats import READER_INBOX, bridge_permissions, reader_permissions, secret_word, start_server
 from tests.snapshot.rig import Worker, caught_up, late_index
 from tests.snapshot.views import index_state
 
@@ -324,7 +324,8 @@ async def test_least_privilege_reader_bootstraps_and_bridge_rebuilds(tmp_path: P
              for name, perms in users.items()]
     config = "accounts {\n  KV: {\n    jetstream: enabled\n    users: [\n" + ",\n".join(lines) + "\n    ]\n  }\n}\n"
     server = start_server(tmp_path, config, jetstream=True)
-    reader = settings_for(server.url, environ={"KVB_NATS_PASSWORD": pw["reader"]}, nats_user="reader")
+    reader = settings_for(server.url, environ={"KVB_NATS_PASSWORD": pw["reader"]}, nats_user="reader",
+                          nats_inbox_prefix=READER_INBOX)
     worker = Worker(tmp_path, "w1", server.url, jetstream=True,
                     extra=("--nats-user", "bridge-w1", "--snapshot-interval", "1"),
                     env={"KVB_NATS_PASSWORD": pw["bridge-w1"]})

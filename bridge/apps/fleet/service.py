@@ -119,15 +119,25 @@ class ObserveService:
         self.hybrid.updated = time.time()
 
     async def _serve_nats(self, nc: Any) -> None:
-        async def prefix(req: Request) -> None:
-            status, _, out = self.answer_prefix(req.data, "nats")
+        async def send(req: Request, status: int, out: bytes) -> None:
+            # An answer over the server's max_payload would make the server
+            # close this connection: an error that fits goes instead. Error
+            # texts travel in a header too: one short printable line, and no
+            # body that repeats them.
+            if status == 200 and len(out) + 256 > nc.max_payload:
+                status, out = 413, _json({"error": "answer over the server's max_payload: ask over HTTP"})
             if status != 200:
-                await req.respond_error(str(status), json.loads(out)["error"], data=out)
+                why = "".join(c if " " <= c <= "~" else "?" for c in str(json.loads(out)["error"])[:200])
+                await req.respond_error(str(status), why, data=_json({"error": why}))
             else:
                 await req.respond(out)
 
+        async def prefix(req: Request) -> None:
+            status, _, out = self.answer_prefix(req.data, "nats")
+            await send(req, status, out)
+
         async def workers(req: Request) -> None:
-            await req.respond(_json(self.state.workers()))
+            await send(req, 200, _json(self.state.workers()))
 
         version = __version__ if __version__[0].isdigit() and "+" not in __version__ else "0.0.0"
         self.micro = await nats.micro.add_service(

@@ -32,7 +32,7 @@ from bridge.contract import (
     family_of,
     state_checkpoints,
 )
-from bridge.producer.decode.wire import EMPTY_RAW_ARRAY, NIL_RAW
+from bridge.producer.decode.wire import EMPTY_RAW_ARRAY, NIL_RAW, RelayBlockStored
 
 # A real batch yields one slice per group, a few groups, rarely split by a
 # clear. Past this many messages (slices and clear records) the rest of the
@@ -49,6 +49,9 @@ MAX_EVENTS_PER_BATCH: Final = 1 << 17
 BAD_GROUP: Final = "bad_group"
 TOO_MANY_MESSAGES: Final = "too_many_messages"
 TOO_MANY_EVENTS: Final = "too_many_events"
+
+# Why a state or window slice's stores were dropped (NormalizeStats.dropped).
+_DROP_REASON: Final = {STATE: "state_no_hash", WINDOW: "window_placeholder"}
 
 # Remembered slice decisions (Normalizer._decided), past which more are not kept.
 MAX_DECISIONS: Final = 4096
@@ -170,6 +173,15 @@ class Normalizer:
         # than the rest of a slice's work. Bounded: a publisher may invent kinds.
         self._decided: dict[tuple[int, str | None, bool], Decision] = {}
         self._generation = -1
+        # Groups that have had a message since the publisher (re)started: a
+        # group's first slice always goes out, so consumers know every group
+        # (docs/contract.md, "A group's first message"). Bounded by MAX_GROUP_ID.
+        self._met: set[int] = set()
+
+    def restarted(self) -> None:
+        """A new publisher process: kinds are learned, and groups met, anew."""
+        self.kinds.forget()
+        self._met.clear()
 
     def normalize(
         self,
@@ -274,7 +286,7 @@ class Normalizer:
         explicit = self._named_kinds(slices)
         if kinds.generation != self._generation:
             self._renew_decisions()
-        decided = self._decided
+        decided, met = self._decided, self._met
         for group, events in slices.items():
             named = explicit.get(group)
             # Group 0 with no kind is the legacy full attention: events with no
@@ -285,6 +297,7 @@ class Normalizer:
             if decision is None:
                 decision = self._decide(group, named, legacy)
             kind, source, family = decision
+            whole = events
             if family == STATE:
                 events = self._reduce_state(events, stats)
             elif family == WINDOW:
@@ -292,7 +305,10 @@ class Normalizer:
             if source == "unknown":
                 stats.transformed["unknown_kind"] += len(events)
             if not events:
-                continue
+                if group in met:
+                    continue
+                events = [_shape_store(whole, family, stats)]
+            met.add(group)
             # Positional (v, worker, dp_rank, epoch, seq, ts, group, kind,
             # family, kind_source, events, topic, part, bridge_ts): keywords
             # cost a third more, once per slice.
@@ -410,3 +426,26 @@ class Normalizer:
             return events
         stats.dropped["window_placeholder"] += placeholders
         return [e for e in events if e.__class__ is removed or e.block_size]  # type: ignore[union-attr]
+
+
+def _shape_store(dropped: list[GroupEvent], family: str, stats: NormalizeStats) -> GroupEvent:
+    """A group's first slice, every store of which named no position (hash-less
+    state stores, window placeholders): its first store goes on as the group's
+    shape store, naming nothing (no hash, parent, token ids, lookahead tokens or
+    extra keys) but keeping vLLM's group_idx, kind, block_size, window and
+    medium. Counted as a shape, not as dropped."""
+    event = next(e for e in dropped if e.__class__ is not BlockRemoved)
+    stats.dropped[_DROP_REASON[family]] -= 1
+    stats.transformed["group_shape"] += 1
+    relayed = event.__class__ is RelayBlockStored
+    event.block_hashes = []
+    event.parent_block_hash = None  # type: ignore[union-attr]
+    event.token_ids = EMPTY_RAW_ARRAY if relayed else []  # type: ignore[union-attr]
+    if relayed:
+        event.lookahead_token_ids = NIL_RAW  # type: ignore[union-attr]
+        event.extra_keys = NIL_RAW  # type: ignore[union-attr]
+    else:
+        event.lookahead_token_ids = None  # type: ignore[union-attr]
+        event.extra_keys = None  # type: ignore[union-attr]
+    event.placeholder = False  # type: ignore[union-attr]
+    return event

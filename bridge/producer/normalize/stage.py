@@ -12,6 +12,7 @@ import structlog
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.decode.decoder import BatchDecodeError, BatchDecoder
 from bridge.producer.normalize.normalizer import Normalizer, NormalizeStats, StreamIdentity
+from bridge.producer.normalize.redact import redact
 from bridge.producer.source.frames import Frame
 from bridge.producer.telemetry.metrics import Metrics
 
@@ -32,6 +33,7 @@ class NormalizeStage:
         *,
         deliver: Deliver,
         gap: Gap,
+        redact_prompts: bool = False,
     ) -> None:
         self._ident = ident
         self._decoder = decoder
@@ -40,6 +42,7 @@ class NormalizeStage:
         self._log = log
         self._deliver = deliver
         self._gap = gap
+        self._redact = redact_prompts
         # The vLLM timestamp of the last batch decoded: a stop record names it.
         self.last_ts: float | None = None
         self._rank_mismatch_logged = False
@@ -47,8 +50,8 @@ class NormalizeStage:
         self._stats = NormalizeStats()
 
     def restarted(self) -> None:
-        """A new publisher process: the kinds its groups have are learned anew."""
-        self._normalizer.kinds.forget()
+        """A new publisher process: its groups and their kinds are learned anew."""
+        self._normalizer.restarted()
 
     def timestamp(self, frame: Frame) -> float | None:
         """The batch's vLLM timestamp, if it decodes; nothing is counted."""
@@ -86,6 +89,8 @@ class NormalizeStage:
             for what, n in stats.transformed.items():
                 metrics.transformed_by[what].inc(n)
         stats.clear()
+        if self._redact:
+            redact(items)
         self._deliver(frame.seq, batch.ts, items, malformed)
 
     def _count_malformed(self, seq: int, rejected: list[tuple[str, str]], stats: NormalizeStats) -> None:

@@ -17,6 +17,7 @@ import structlog
 
 from bridge.contract import DEFAULT_FORMAT, HDR_FORMAT, HDR_MSG_ID, WORKER_TOKEN, GroupMessage, WorkerRecord
 from bridge.producer.config import Settings
+from bridge.producer.sink.kv_bucket import warn_unguarded
 
 log = structlog.get_logger("bridge.jetstream")
 
@@ -57,6 +58,11 @@ def stream_config(settings: Settings) -> nats.js.api.StreamConfig:
         num_replicas=settings.stream_replicas,
         allow_direct=True,
         discard=nats.js.api.DiscardPolicy.OLD,
+        # A permission sees subjects, not headers: a worker allowed only its
+        # own subjects could purge every worker's with `Nats-Rollup: all` if
+        # the stream took it. Deletes and purges go through API subjects a
+        # permission list does see, which only an admin is given.
+        allow_rollup_hdrs=False,
     )
 
 
@@ -81,6 +87,7 @@ async def ensure_stream(js: nats.js.JetStreamContext, settings: Settings) -> boo
         )
     if not have.allow_direct:
         raise StreamConfigError(f"stream {settings.stream_name} needs allow_direct for resume")
+    warn_unguarded(settings.stream_name, have)
     log.info("stream_verified", stream=settings.stream_name, max_age=have.max_age, max_bytes=have.max_bytes,
              max_msgs_per_subject=have.max_msgs_per_subject, duplicate_window=have.duplicate_window,
              replicas=have.num_replicas, leader=info.cluster.leader if info.cluster else None)

@@ -3,7 +3,8 @@
 fresh with heartbeats.
 
 The bucket is created on first use with `history=1` and a `ttl`, so entries
-nobody refreshes vanish after it.
+nobody refreshes vanish after it, and without rollups or message deletes
+(bridge.producer.sink.kv_bucket).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from collections.abc import Callable
 import anyio
 import msgspec
 import nats.js
-import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
 from bridge.contract import WorkerEntry, encode_entry, registry_key
+from bridge.producer.sink.kv_bucket import open_bucket
 
 log = structlog.get_logger("bridge.registry")
 
@@ -49,16 +50,8 @@ class WorkerRegistry:
 
     async def open(self) -> KeyValue:
         if self._kv is None:
-            try:
-                self._kv = await self._js.key_value(self.bucket)
-            except nats.js.errors.BucketNotFoundError:
-                try:
-                    self._kv = await self._js.create_key_value(
-                        bucket=self.bucket, history=1, ttl=self.ttl, description="kv-bridge worker registry",
-                    )
-                except nats.js.errors.BadRequestError:
-                    # Another bridge created it first (maybe with another ttl): use theirs.
-                    self._kv = await self._js.key_value(self.bucket)
+            self._kv = await open_bucket(self._js, self.bucket, history=1, ttl=self.ttl, replicas=1,
+                                         description="kv-bridge worker registry")
         return self._kv
 
     async def put(self, entry: WorkerEntry) -> int:

@@ -15,7 +15,6 @@ import time
 
 import anyio
 import nats.js
-import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
@@ -31,6 +30,7 @@ from bridge.contract.snapshot import (
     snapshot_key,
     split,
 )
+from bridge.producer.sink.kv_bucket import open_bucket as open_kv_bucket
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.producer.telemetry.metrics import Metrics
 
@@ -40,26 +40,16 @@ _SLOTS = ("a", "b")
 
 
 async def open_bucket(js: nats.js.JetStreamContext, bucket: str, *, replicas: int, max_age: float) -> KeyValue:
-    """The bucket, made (history 1, entries kept `max_age` s) when missing.
+    """The bucket, made (history 1, entries kept `max_age` s, no rollups,
+    no message deletes: bridge.producer.sink.kv_bucket) when missing.
 
     Made with direct gets allowed: a bridge reads its own keys back (the
     rebuild) with `$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`, which
     a least-privilege user may be allowed key by key; the other way to read
     a key (`$JS.API.STREAM.MSG.GET.KV_<bucket>`) names no key, so such a
     user is not allowed it."""
-    try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        try:
-            # Direct gets: readers (and a least-privilege bridge) read keys
-            # through `$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`, which
-            # permissions can narrow to one worker's keys.
-            return await js.create_key_value(
-                bucket=bucket, history=1, ttl=max_age or None, replicas=replicas, direct=True,
-                description="kv-bridge residency snapshots, per worker rank",
-            )
-        except nats.js.errors.BadRequestError:
-            return await js.key_value(bucket)  # made by another bridge meanwhile
+    return await open_kv_bucket(js, bucket, history=1, ttl=max_age, replicas=replicas,
+                                description="kv-bridge residency snapshots, per worker rank")
 
 
 class SnapshotWriter:
@@ -148,12 +138,14 @@ class SnapshotWriter:
                             parts=len(parts), epoch=snap.epoch, stream_seq=snap.stream_seq, taken_at=snap.taken_at,
                             bytes=len(data))
         await kv.put(key, encode_head(head))
-        # Parts of an older, larger snapshot in this slot name nothing now.
+        # Parts of an older, larger snapshot in this slot name nothing now. A
+        # delete marker, not a purge: a purge is a rollup, which the bucket
+        # refuses (with history 1 the marker replaces the part all the same).
         for n in range(len(parts), counts.get(slot, 0)):
             try:
-                await kv.purge(part_key(key, slot, n))
+                await kv.delete(part_key(key, slot, n))
             except Exception as exc:  # left behind: a reader never reads past the head's count
-                log.debug("snapshot_part_purge_failed", key=part_key(key, slot, n), error=type(exc).__name__)
+                log.debug("snapshot_part_delete_failed", key=part_key(key, slot, n), error=type(exc).__name__)
         counts = {**counts, slot: len(parts)}
         self._slot[rank] = (slot, counts)
         self._metrics.snapshot_writes.labels("written").inc()

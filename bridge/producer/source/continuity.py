@@ -16,6 +16,7 @@ import anyio
 import structlog
 
 from bridge.producer.source.frames import Frame, FrameError, parse_pub
+from bridge.producer.source.recovery import Outcome, Recovery, ReplayPolicy
 from bridge.producer.source.replay import ReplayClient, ReplayResult
 from bridge.producer.source.sequencer import SeqTracker, Verdict
 from bridge.producer.telemetry.metrics import Metrics
@@ -29,7 +30,8 @@ class Continuity:
     """`restart(seq, previous)`: the live `seq` (None: found by a resume
     check) starts a new process, after `previous`, the last seq emitted.
     `timestamp(frame)`: the batch's vLLM timestamp, None if it cannot be read.
-    `idle_probe_s` <= 0 or no `replay`: no idle probing."""
+    `idle_probe_s` <= 0 or no `replay`: no idle probing. `policy`: how often
+    and how long replay is asked before what it cannot return is named."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class Continuity:
         topic: bytes,
         max_frame_bytes: int,
         replay: ReplayClient | None,
+        policy: ReplayPolicy,
         idle_probe_s: float,
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
@@ -58,6 +61,7 @@ class Continuity:
         self._bad_frame = bad_frame
         self._timestamp = timestamp
         self.tracker = SeqTracker()
+        self._recovery = Recovery(policy, self.tracker, self._fetch, self._emit_replayed, self._gap)
         # Set by resume(): where the stream left off, until replay or the first
         # live batch shows whether vLLM is still the same process.
         self.resumed_through: int | None = None
@@ -66,6 +70,7 @@ class Continuity:
         self._unverified = False
         # Healing and idle probes both read replay and emit; one at a time.
         self._replay_lock = anyio.Lock()
+        self._probe_scope: anyio.CancelScope | None = None
         self._last_live = time.monotonic()
 
     @property
@@ -121,8 +126,7 @@ class Continuity:
 
     async def _restart_and_replay(self) -> None:
         self._restart(None)
-        result = await self._fetch(0)
-        self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=None)
+        await self._recovery.run(None)
 
     # -- live ------------------------------------------------------------
 
@@ -155,7 +159,10 @@ class Continuity:
         return False
 
     async def settle(self, frame: Frame, verdict: Verdict | None) -> None:
-        """A live frame out of order: a gap to heal, or a new process."""
+        """A live frame out of order: a gap to heal, or a new process. An idle
+        probe under way is cancelled first: its answer is of the stream before
+        this frame, and the live stream waits for one recovery at most."""
+        self._cancel_probe()
         if verdict is None:
             # Resumed without a replay answer: a continuing process is already
             # past the stream's last seq, a new one is not.
@@ -186,8 +193,10 @@ class Continuity:
             if time.monotonic() - self._last_live < self._idle_probe_s:
                 continue
             async with self._replay_lock:
-                result = await self._fetch(self.tracker.next_wanted(), done="probe")
-                self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=None)
+                with anyio.CancelScope() as scope:
+                    self._probe_scope = scope
+                    await self._recovery.run(None, done="probe")
+                self._probe_scope = None
 
     # -- healing ---------------------------------------------------------
 
@@ -195,6 +204,10 @@ class Continuity:
         previous = self.tracker.last_emitted
         self.tracker.restart()
         self._on_restart(seq, previous)
+
+    def _cancel_probe(self) -> None:
+        if self._probe_scope is not None:
+            self._probe_scope.cancel()
 
     async def _heal(self, live: Frame) -> None:
         async with self._replay_lock:
@@ -204,21 +217,21 @@ class Continuity:
                 self._metrics.dropped_by["duplicate"].inc()
 
     async def _heal_locked(self, live: Frame) -> None:
-        """Fetch what the live stream skipped; announce what replay cannot give."""
-        want = self.tracker.next_wanted()
+        """Fetch what the live stream skipped; announce what replay cannot give,
+        within the policy's bound."""
         if self._replay is None:
-            self._gap(want, live.seq - 1, "no_replay_endpoint")
+            self._gap(self.tracker.next_wanted(), live.seq - 1, "no_replay_endpoint")
         else:
-            result = await self._fetch(want, stop_after=live.seq)
-            self._emit_replayed(sorted(result.frames, key=lambda f: f.seq), until=live.seq)
-            reason = "replay_incomplete" if result.complete else "replay_timeout"
+            outcome = await self._recovery.run(live.seq)
+            reason = "replay_incomplete" if outcome is Outcome.SETTLED else "replay_timeout"
             self._gap(self.tracker.next_wanted(), live.seq - 1, reason)
         self._emit(live)
 
-    async def _fetch(self, start: int, stop_after: int | None = None, done: str = "complete") -> ReplayResult:
+    async def _fetch(self, start: int, stop_after: int | None = None, timeout_s: float | None = None,
+                     done: str = "complete") -> ReplayResult:
         """A replay request, counted by result (`done` if it completed)."""
         assert self._replay is not None
-        result = await self._replay.fetch(start, stop_after=stop_after)
+        result = await self._replay.fetch(start, stop_after=stop_after, timeout_s=timeout_s)
         self._metrics.replays_by[done if result.complete else "timeout"].inc()
         return result
 

@@ -8,9 +8,10 @@ import anyio
 import msgspec
 import structlog
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from bridge.producer.source.frames import END_SEQ, Frame, FrameError, parse_replay, socket_limit
-from bridge.producer.source.zmq_io import recv
+from bridge.producer.source.zmq_io import wait_readable
 
 log = structlog.get_logger("bridge.replay")
 
@@ -18,6 +19,12 @@ log = structlog.get_logger("bridge.replay")
 # many frames' worth of bytes (--max-frame-bytes each), 128 MiB by default.
 REPLAY_BUDGET_FRAMES = 16
 REPLAY_RCVHWM = 1000
+# What one held frame costs beyond its payload: an answer of many empty
+# frames is bounded too.
+FRAME_OVERHEAD = 128
+# How often a waiting request looks at its socket's monitor: a cut-off answer
+# ends the attempt at once instead of at the timeout.
+CUT_OFF_POLL_S = 0.05
 
 
 class ReplayResult(msgspec.Struct, gc=False):
@@ -25,6 +32,12 @@ class ReplayResult(msgspec.Struct, gc=False):
     # The end marker came: the publisher sent all it still buffers.
     complete: bool
     rejected: int
+    # The connection dropped before the end marker: libzmq cut off a message
+    # past ZMQ_MAXMSGSIZE, or the publisher went away.
+    cut_off: bool = False
+    # A connection to the replay socket was made at all (nobody listening:
+    # asking again at once is no use).
+    connected: bool = True
 
 
 class ReplayClient:
@@ -51,14 +64,18 @@ class ReplayClient:
     def endpoint(self) -> str:
         return self._endpoint
 
-    async def fetch(self, start_seq: int, stop_after: int | None = None) -> ReplayResult:
+    async def fetch(self, start_seq: int, stop_after: int | None = None,
+                    timeout_s: float | None = None) -> ReplayResult:
         """Batches with seq >= start_seq. `stop_after` lets the caller give up
-        reading once it has what it needs; the socket is closed either way."""
+        reading once it has what it needs; the socket is closed either way.
+        `timeout_s`: this attempt's limit, --replay-timeout by default."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Bounded: what does not fit waits in the publisher's send queue.
         sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(self._max_frame_bytes))
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        link = _Link(monitor)
         frames: list[Frame] = []
         held = 0
         rejected = 0
@@ -66,9 +83,17 @@ class ReplayClient:
         try:
             sock.connect(self._endpoint)
             sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-            with anyio.move_on_after(self._timeout_s):
+            with anyio.move_on_after(self._timeout_s if timeout_s is None else timeout_s):
                 while True:
-                    parts = await recv(sock)
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        # Only once nothing is queued: what arrived before the
+                        # cut is read first.
+                        if link.cut_off():
+                            break
+                        await wait_readable(sock, CUT_OFF_POLL_S)
+                        continue
                     try:
                         frame = parse_replay(parts, self._max_frame_bytes)
                     except FrameError as exc:
@@ -82,15 +107,42 @@ class ReplayClient:
                     if stop_after is not None and frame.seq >= stop_after:
                         complete = True
                         break
-                    held += len(frame.payload)
+                    held += len(frame.payload) + FRAME_OVERHEAD
                     if held > self._max_bytes:
                         # What is not read now is asked for again, or named by a gap.
                         log.warning("replay_budget", endpoint=self._endpoint, start_seq=start_seq, got=len(frames),
                                     max_bytes=self._max_bytes)
                         break
+            link.cut_off()
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
-        if not complete:
-            log.warning("replay_timeout", endpoint=self._endpoint, start_seq=start_seq, got=len(frames))
-        return ReplayResult(frames, complete, rejected)
+        connected = link.connected or bool(frames) or rejected > 0 or complete
+        if link.disconnected and not complete:
+            log.warning("replay_cut_off", endpoint=self._endpoint, start_seq=start_seq, got=len(frames))
+        elif not complete:
+            log.warning("replay_timeout", endpoint=self._endpoint, start_seq=start_seq, got=len(frames),
+                        connected=connected)
+        return ReplayResult(frames, complete, rejected, link.disconnected and not complete, connected)
 
+
+class _Link:
+    """What a request's socket monitor said: connected, then cut off?"""
+
+    def __init__(self, monitor: zmq.Socket[bytes]) -> None:
+        self._monitor = monitor
+        self.connected = False
+        self.disconnected = False
+
+    def cut_off(self) -> bool:
+        """Reads the events so far; whether the connection dropped."""
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return self.disconnected
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.disconnected = True

@@ -27,12 +27,12 @@ def readable(sock: zmq.Socket[bytes]) -> bool:
     return bool(sock.get(_EVENTS) & _POLLIN)  # type: ignore[operator]  # EVENTS is an int option
 
 
-async def wait_readable(sock: zmq.Socket[bytes]) -> bool:
-    """Until a message is queued; True if one already was (then it did not
-    yield to the event loop)."""
+async def wait_readable(sock: zmq.Socket[bytes], bound_s: float = _WAIT_BOUND_S) -> bool:
+    """Until a message is queued, or `bound_s` passed; True if one already was
+    (then it did not yield to the event loop)."""
     if readable(sock):
         return True
-    with anyio.move_on_after(_WAIT_BOUND_S):
+    with anyio.move_on_after(bound_s):
         await anyio.wait_readable(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
     return False
 
@@ -64,10 +64,3 @@ def drain(sock: zmq.Socket[bytes], limit: int, max_bytes: int = 0) -> list[list[
         pass
     return out
 
-
-async def recv(sock: zmq.Socket[bytes]) -> list[bytes]:
-    while True:
-        try:
-            return sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            await wait_readable(sock)

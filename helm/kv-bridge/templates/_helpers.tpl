@@ -165,6 +165,10 @@ The sidecar's environment.
     fieldRef:
       fieldPath: metadata.name
 {{- end }}
+{{- if $b.vllmUrl }}
+- name: KVB_VLLM_URL
+  value: {{ eq $b.vllmUrl "auto" | ternary (printf "http://127.0.0.1:%d" (int .Values.vllm.port)) $b.vllmUrl | quote }}
+{{- else }}
 - name: KVB_ZMQ_ENDPOINT
   value: {{ printf "tcp://127.0.0.1:%d" (int .Values.kvEvents.port) | quote }}
 {{- if gt (int .Values.kvEvents.replayPort) 0 }}
@@ -175,6 +179,7 @@ The sidecar's environment.
   value: {{ $b.dpRanks | quote }}
 - name: KVB_TOPIC
   value: {{ .Values.kvEvents.topic | quote }}
+{{- end }}
 - name: KVB_SUBJECT_PREFIX
   value: {{ $b.subjectPrefix | quote }}
 - name: KVB_FORMAT
@@ -343,6 +348,15 @@ stops after vLLM.
     periodSeconds: {{ $b.livenessProbe.periodSeconds }}
     timeoutSeconds: {{ $b.livenessProbe.timeoutSeconds }}
     failureThreshold: {{ $b.livenessProbe.failureThreshold }}
+  {{- end }}
+  {{- if $b.readinessProbe.enabled }}
+  readinessProbe:
+    httpGet:
+      path: /readyz
+      port: kvb-metrics
+    periodSeconds: {{ $b.readinessProbe.periodSeconds }}
+    timeoutSeconds: {{ $b.readinessProbe.timeoutSeconds }}
+    failureThreshold: {{ $b.readinessProbe.failureThreshold }}
   {{- end }}
   {{- with $b.resources }}
   resources:

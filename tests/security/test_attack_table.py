@@ -1,0 +1,526 @@
+"""The attack table (docs/security.md, "What each credential cannot do"):
+against a real nats-server configured from `kv-bridge nats-permissions`,
+with two real bridges (workers `a` and `b`), an attacker holding a's
+bridge credentials or a reader's tries everything issue 24 lists and the
+obvious variants. Each row says what was tried, with whose credentials, and
+what happened; an admin user reads back that nothing of b's, and nothing
+shared, changed. Rows marked `open` are what subject permissions cannot
+stop (docs/security.md, "What the permissions cannot stop"): the test holds
+them to their documented outcome, so a server that starts refusing them
+shows up here.
+
+The table is printed in the test output (`pytest -s` not needed)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import nats
+import nats.errors
+import nats.js.api
+import nats.js.errors
+import pytest
+
+from bridge.apps.permissions import Layout, roles, server_config
+from bridge.contract import BlockStored, GroupMessage, WorkerRecord
+from bridge.runtime.nats_server import NatsServerProcess
+from tests.faults.harness import http_get, wait_http
+from tests.security.secure_nats import secret_word, start_server
+from tests.security.test_least_privilege import Worker
+
+pytestmark = pytest.mark.anyio
+
+REFUSED = "refused"
+HARMLESS = "harmless"
+OPEN = "open"
+# The bus delivers it on the publisher's own subject; consumers take the
+# worker from the subject and refuse a payload that names another (issue 24, 1).
+CONSUMER = "consumers refuse"
+
+
+@dataclass
+class Row:
+    mode: str
+    who: str
+    attempt: str
+    expected: str
+    outcome: str = ""
+    verdict: str = ""
+
+
+@dataclass
+class Client:
+    """One user's connection, with the server's asynchronous errors kept."""
+
+    nc: Any
+    errors: list[str] = field(default_factory=list)
+
+    async def _refused(self, needle: str, before: int, wait: float = 0.6) -> str | None:
+        with anyio.move_on_after(wait):
+            while True:
+                for err in self.errors[before:]:
+                    if needle in err.lower():
+                        return err
+                await anyio.sleep(0.02)
+        return None
+
+    async def publish(self, subject: str, data: bytes = b"x", headers: dict[str, str] | None = None) -> str:
+        before = len(self.errors)
+        await self.nc.publish(subject, data, headers=headers)
+        await self.nc.flush()
+        if await self._refused(f'permissions violation for publish to "{subject.lower()}"', before):
+            return "refused: permissions violation"
+        return "delivered"
+
+    async def subscribe(self, subject: str) -> str:
+        before = len(self.errors)
+        sub = await self.nc.subscribe(subject)
+        await self.nc.flush()
+        refused = await self._refused(f'permissions violation for subscription to "{subject.lower()}"', before)
+        await sub.unsubscribe()
+        return "refused: permissions violation" if refused else "subscribed"
+
+    async def request(self, subject: str, body: Any = b"", headers: dict[str, str] | None = None) -> str:
+        """A request; the answer's JetStream or service error, or what it was."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        before = len(self.errors)
+        try:
+            msg = await self.nc.request(subject, data, timeout=1.5, headers=headers)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            if await self._refused(f'permissions violation for publish to "{subject.lower()}"', before, 0.3):
+                return "refused: permissions violation"
+            return "no answer"
+        hdrs = msg.headers or {}
+        if "Nats-Service-Error-Code" in hdrs:
+            size = len(msg.data) + sum(len(k) + len(v) for k, v in hdrs.items())
+            return f"error {hdrs['Nats-Service-Error-Code']} ({size} bytes)"
+        try:
+            answer = json.loads(msg.data)
+        except ValueError:
+            return f"answered ({len(msg.data)} bytes)"
+        if isinstance(answer, dict) and "error" in answer:
+            return f"refused by JetStream: {answer['error'].get('description', answer['error'])}"
+        return "accepted"
+
+    async def js_publish(self, subject: str, data: bytes, headers: dict[str, str]) -> str:
+        before = len(self.errors)
+        try:
+            await self.nc.jetstream().publish(subject, data, headers=headers, timeout=1.5)
+        except nats.js.errors.APIError as exc:
+            return f"refused by the stream: {exc.description}"
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            if await self._refused(f'permissions violation for publish to "{subject.lower()}"', before, 0.3):
+                return "refused: permissions violation"
+            return "no answer"
+        return "stored"
+
+
+async def connect(url: str, user: str, password: str) -> Client:
+    client = Client(None)
+
+    async def on_error(exc: Exception) -> None:
+        client.errors.append(str(exc))
+
+    client.nc = await nats.connect(url, user=user, password=password, inbox_prefix=f"_INBOX.{user}",
+                                   error_cb=on_error, allow_reconnect=False)
+    return client
+
+
+def judge(row: Row) -> None:
+    out = row.outcome
+    if row.expected == REFUSED:
+        row.verdict = "ok" if out.startswith("refused") or out.startswith("error 4") else "FAIL"
+    elif row.expected == HARMLESS:
+        row.verdict = "ok" if not out.startswith("FAIL") else "FAIL"
+    elif row.expected == CONSUMER:
+        row.verdict = "bus: delivered on the publisher's own subject" if out == "delivered" else "FAIL"
+    else:
+        row.verdict = "open (documented)"
+
+
+def table(rows: list[Row]) -> str:
+    head = ["mode", "credentials", "attempt", "expected", "what happened", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        lines.append(f"| {r.mode} | {r.who} | {r.attempt} | {r.expected} | {r.outcome} | {r.verdict} |")
+    return "\n".join(lines)
+
+
+def _print(rows: list[Row], capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():
+        print("\n" + table(rows) + "\n")
+
+
+LAYOUT = Layout(workers=["a", "b"], readers=["reader", "reader2"])
+
+
+def _server(tmp: Path, jetstream: bool) -> tuple[NatsServerProcess, dict[str, str]]:
+    all_roles = roles(LAYOUT)
+    pw = {r.user: secret_word() for r in all_roles}
+    conf = server_config(all_roles, passwords=pw)
+    if not jetstream:
+        conf = conf.replace("    jetstream: enabled\n", "")
+    return start_server(tmp, conf, jetstream=jetstream), pw
+
+
+def _bridge(tmp: Path, worker: str, url: str, pw: dict[str, str], jetstream: bool) -> Worker:
+    user = f"bridge-{worker}"
+    return Worker(tmp, worker, 1, url, ["--nats-user", user, "--snapshot-interval", "1"],
+                  {"KVB_NATS_PASSWORD": pw[user]}, jetstream=jetstream)
+
+
+Attempt = tuple[str, str, str, Callable[[], Awaitable[str]]]
+
+
+async def _common(mode: str, a: Client, reader: Client) -> list[Attempt]:
+    """What both modes share: subjects, records, service subjects, inboxes, requests."""
+    big = json.dumps({"id": "x" * (900 * 1024), "part": 1}).encode()
+    forged_group = msgspec.msgpack.encode(GroupMessage(
+        v=1, worker="b", dp_rank=0, epoch=1, seq=1, ts=0.0, group=0, kind="full_attention", family="attention",
+        kind_source="event", events=[BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[], block_size=16,
+                                                 lora_id=None, medium="GPU", lora_name=None)]))
+    forged_restart = msgspec.msgpack.encode(WorkerRecord(v=1, worker="b", dp_rank=0, epoch=2**62, type="restart",
+                                                         ts=0.0))
+    return [
+        ("bridge a", "publish b's group subject kv.b.0", REFUSED, lambda: a.publish("kv.b.0")),
+        ("bridge a", "publish a restart record for b on kv.b.worker", REFUSED, lambda: a.publish("kv.b.worker")),
+        ("bridge a", "publish b's rank 1, kv.b-dp1.0", REFUSED, lambda: a.publish("kv.b-dp1.0")),
+        ("bridge a", "publish outside the prefix, kvx.b.0", REFUSED, lambda: a.publish("kvx.b.0")),
+        ("bridge a", "a group message saying worker b, on its own kv.a.0", CONSUMER,
+         lambda: a.publish("kv.a.0", forged_group)),
+        ("bridge a", "a restart record for b (a later epoch), on its own kv.a.worker", CONSUMER,
+         lambda: a.publish("kv.a.worker", forged_restart)),
+        ("bridge a", "read the events, subscribe kv.>", REFUSED, lambda: a.subscribe("kv.>")),
+        ("bridge a", "serve b's snapshots, subscribe kvbridge.snapshot.kv.b", REFUSED,
+         lambda: a.subscribe("kvbridge.snapshot.kv.b")),
+        ("bridge a", "read every reply, subscribe _INBOX.>", REFUSED, lambda: a.subscribe("_INBOX.>")),
+        ("bridge a", "read b's replies, subscribe _INBOX.bridge-b.>", REFUSED,
+         lambda: a.subscribe("_INBOX.bridge-b.>")),
+        ("bridge a", "answer observe's queries, subscribe kvobserve.prefix", REFUSED,
+         lambda: a.subscribe("kvobserve.prefix")),
+        ("reader", "publish kv.a.0", REFUSED, lambda: reader.publish("kv.a.0")),
+        ("reader", "publish a record kv.a.worker", REFUSED, lambda: reader.publish("kv.a.worker")),
+        ("reader", "read another reader's replies, subscribe _INBOX.reader2.>", REFUSED,
+         lambda: reader.subscribe("_INBOX.reader2.>")),
+        ("reader", "read every reply, subscribe _INBOX.>", REFUSED, lambda: reader.subscribe("_INBOX.>")),
+        ("reader", "serve a's snapshots, subscribe kvbridge.snapshot.kv.a", REFUSED,
+         lambda: reader.subscribe("kvbridge.snapshot.kv.a")),
+        ("reader", "snapshot request of 900 KiB (a long id) to a", REFUSED,
+         lambda: reader.request("kvbridge.snapshot.kv.a", big)),
+        ("reader", "malformed snapshot request to a", REFUSED, lambda: reader.request("kvbridge.snapshot.kv.a", b"{no")),
+        ("reader", "snapshot request whose id holds CR LF and a header", REFUSED,
+         lambda: reader.request("kvbridge.snapshot.kv.a", {"id": "1\r\nNats-Rollup: all\r\n", "part": 1})),
+    ]
+
+
+async def _snapshot_to_a_stream(reader: Client, admin: Any, subject: str,
+                                request: str = "kvbridge.snapshot.kv.a") -> str:
+    """A request to the bridges whose reply subject is one of the stream's:
+    they answer inboxes only."""
+    js = admin.jetstream()
+
+    async def count() -> int:
+        info = await js.stream_info("KV_EVENTS", subjects_filter=subject)
+        return (info.state.subjects or {}).get(subject, 0)
+
+    before = await count()
+    await reader.nc.publish(request, b"", reply=subject)
+    await reader.nc.flush()
+    await anyio.sleep(0.5)
+    return "nothing written" if await count() == before else "FAIL: written into the stream"
+
+
+async def test_attack_table_jetstream(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server, pw = _server(tmp_path, jetstream=True)
+    workers = [_bridge(tmp_path, w, server.url, pw, jetstream=True) for w in ("a", "b")]
+    clients: list[Client] = []
+    rows: list[Row] = []
+    try:
+        workers[0].start()
+        await wait_http(workers[0].http, timeout=30)
+        workers[1].start()
+        await wait_http(workers[1].http, timeout=30)
+        for w in workers:
+            w.publish(10)
+        admin = await connect(server.url, "admin", pw["admin"])
+        a = await connect(server.url, "bridge-a", pw["bridge-a"])
+        reader = await connect(server.url, "reader", pw["reader"])
+        clients += [admin, a, reader]
+        ajs = admin.nc.jetstream()
+
+        async def settled() -> bool:
+            try:
+                heads = [await ajs.get_last_msg("KV_kv_snapshots", f"$KV.kv_snapshots.{w}") for w in ("a", "b")]
+                regs = [await ajs.get_last_msg("KV_kv_workers", f"$KV.kv_workers.{w}") for w in ("a", "b")]
+            except nats.js.errors.NotFoundError:
+                return False
+            info = await ajs.stream_info("KV_EVENTS", subjects_filter="kv.b.>")
+            return bool(heads and regs) and info.state.messages > 0
+
+        with anyio.fail_after(30):
+            while not await settled():
+                await anyio.sleep(0.3)
+        # A durable consumer of someone else's, and the state to read back.
+        await ajs.add_consumer("KV_EVENTS", nats.js.api.ConsumerConfig(
+            durable_name="someone-elses", ack_policy=nats.js.api.AckPolicy.EXPLICIT, filter_subject="kv.>"))
+        before = await _state(ajs)
+
+        attempts = await _common("jetstream", a, reader)
+        rollup = {"Nats-Rollup": "all"}
+        attempts += [
+            ("bridge a", "put b's registry key $KV.kv_workers.b", REFUSED, lambda: a.publish("$KV.kv_workers.b")),
+            ("bridge a", "delete marker on b's registry key", REFUSED,
+             lambda: a.publish("$KV.kv_workers.b", b"", {"KV-Operation": "DEL"})),
+            ("bridge a", "put b's snapshot head $KV.kv_snapshots.b", REFUSED,
+             lambda: a.publish("$KV.kv_snapshots.b")),
+            ("bridge a", "put a part of b's snapshot $KV.kv_snapshots.b.a.0", REFUSED,
+             lambda: a.publish("$KV.kv_snapshots.b.a.0")),
+            ("bridge a", "Nats-Rollup: all on its own registry key", REFUSED,
+             lambda: a.js_publish("$KV.kv_workers.a", b"{}", rollup)),
+            ("bridge a", "Nats-Rollup: all on its own snapshot key", REFUSED,
+             lambda: a.js_publish("$KV.kv_snapshots.a.b.9", b"{}", rollup)),
+            ("bridge a", "Nats-Rollup: sub on its own snapshot head", REFUSED,
+             lambda: a.js_publish("$KV.kv_snapshots.a", b"{}", {"Nats-Rollup": "sub"})),
+            ("bridge a", "Nats-Rollup: all on its own events subject kv.a.0", REFUSED,
+             lambda: a.js_publish("kv.a.0", b"x", rollup)),
+            ("bridge a", "purge the stream", REFUSED, lambda: a.request("$JS.API.STREAM.PURGE.KV_EVENTS", {})),
+            ("bridge a", "purge b's subjects from the stream", REFUSED,
+             lambda: a.request("$JS.API.STREAM.PURGE.KV_EVENTS", {"filter": "kv.b.>"})),
+            ("bridge a", "purge the registry bucket", REFUSED, lambda: a.request("$JS.API.STREAM.PURGE.KV_kv_workers", {})),
+            ("bridge a", "delete a stream message", REFUSED,
+             lambda: a.request("$JS.API.STREAM.MSG.DELETE.KV_EVENTS", {"seq": 1})),
+            ("bridge a", "delete the stream", REFUSED, lambda: a.request("$JS.API.STREAM.DELETE.KV_EVENTS")),
+            ("bridge a", "update the stream to allow rollups", REFUSED,
+             lambda: a.request("$JS.API.STREAM.UPDATE.KV_EVENTS", {"name": "KV_EVENTS", "subjects": ["kv.>"],
+                                                                   "allow_rollup_hdrs": True})),
+            ("bridge a", "create the stream again, rollups allowed", REFUSED,
+             lambda: a.request("$JS.API.STREAM.CREATE.KV_EVENTS", {"name": "KV_EVENTS", "subjects": ["kv.>"],
+                                                                   "allow_rollup_hdrs": True, "allow_direct": True})),
+            ("bridge a", "create the registry bucket again, rollups allowed", REFUSED,
+             lambda: a.request("$JS.API.STREAM.CREATE.KV_kv_workers", {
+                 "name": "KV_kv_workers", "subjects": ["$KV.kv_workers.>"], "allow_rollup_hdrs": True,
+                 "max_msgs_per_subject": 1, "allow_direct": True})),
+            ("bridge a", "read b's last message (direct get kv.b.>)", REFUSED,
+             lambda: a.request("$JS.API.DIRECT.GET.KV_EVENTS.kv.b.>")),
+            ("bridge a", "read b's snapshot head (direct get)", REFUSED,
+             lambda: a.request("$JS.API.DIRECT.GET.KV_kv_snapshots.$KV.kv_snapshots.b")),
+            ("bridge a", "create b's rebuild consumer", REFUSED,
+             lambda: a.request("$JS.API.CONSUMER.CREATE.KV_EVENTS.kvb-rebuild-b.kv.b.>", {
+                 "stream_name": "KV_EVENTS", "config": {"name": "kvb-rebuild-b", "filter_subject": "kv.b.>"}})),
+            ("bridge a", "its own rebuild consumer, filtered on b's subjects", REFUSED,
+             lambda: a.request("$JS.API.CONSUMER.CREATE.KV_EVENTS.kvb-rebuild-a.kv.a.>", {
+                 "stream_name": "KV_EVENTS", "config": {"name": "kvb-rebuild-a", "filter_subject": "kv.b.>"}})),
+            ("bridge a", "delete someone else's consumer", REFUSED,
+             lambda: a.request("$JS.API.CONSUMER.DELETE.KV_EVENTS.someone-elses")),
+            ("reader", "put $KV.kv_workers.a", REFUSED, lambda: reader.publish("$KV.kv_workers.a")),
+            ("reader", "put $KV.kv_snapshots.a", REFUSED, lambda: reader.publish("$KV.kv_snapshots.a")),
+            ("reader", "delete someone else's durable consumer", REFUSED,
+             lambda: reader.request("$JS.API.CONSUMER.DELETE.KV_EVENTS.someone-elses")),
+            ("reader", "delete a bridge's rebuild consumer", REFUSED,
+             lambda: reader.request("$JS.API.CONSUMER.DELETE.KV_EVENTS.kvb-rebuild-a")),
+            ("reader", "create a named consumer (kvb-rebuild-a)", REFUSED,
+             lambda: reader.request("$JS.API.CONSUMER.CREATE.KV_EVENTS.kvb-rebuild-a.kv.a.>", {
+                 "stream_name": "KV_EVENTS", "config": {"name": "kvb-rebuild-a", "filter_subject": "kv.a.>"}})),
+            ("reader", "create a durable (legacy API)", REFUSED,
+             lambda: reader.request("$JS.API.CONSUMER.DURABLE.CREATE.KV_EVENTS.mine", {
+                 "stream_name": "KV_EVENTS", "config": {"durable_name": "mine"}})),
+            ("reader", "an ephemeral consumer that names someone else's durable", REFUSED,
+             lambda: reader.request("$JS.API.CONSUMER.CREATE.KV_EVENTS", {
+                 "stream_name": "KV_EVENTS", "config": {"durable_name": "someone-elses"}})),
+            ("reader", "ack for another consumer ($JS.ACK)", REFUSED,
+             lambda: reader.publish("$JS.ACK.KV_EVENTS.someone-elses.1.1.1.1.0")),
+            ("reader", "consumer info of another's consumer", REFUSED,
+             lambda: reader.request("$JS.API.CONSUMER.INFO.KV_EVENTS.someone-elses")),
+            ("reader", "purge the snapshot bucket", REFUSED,
+             lambda: reader.request("$JS.API.STREAM.PURGE.KV_kv_snapshots", {})),
+            ("reader", "snapshot request with a stream subject (kv.b.0) as reply", HARMLESS,
+             lambda: _snapshot_to_a_stream(reader, admin.nc, "kv.b.0")),
+            ("reader", "service discovery ($SRV.INFO) with a stream subject (kv.b.6) as reply", HARMLESS,
+             lambda: _snapshot_to_a_stream(reader, admin.nc, "kv.b.6", "$SRV.INFO.kv-bridge-snapshot")),
+        ]
+        for who, what, expected, run in attempts:
+            row = Row("JetStream", who, what, expected)
+            try:
+                row.outcome = await run()
+            except Exception as exc:  # an attempt that breaks the client is an outcome too
+                row.outcome = f"client error {type(exc).__name__}"
+            judge(row)
+            rows.append(row)
+
+        # The bridges keep relaying after all of it, and read back nothing of b's changed.
+        for w in workers:
+            w.publish(5)
+        after = await _wait_state(ajs, before)
+        rows.append(_readback("JetStream", before, after))
+        for w in workers:
+            status, body = await anyio.to_thread.run_sync(http_get, f"http://127.0.0.1:{w.http}/readyz")
+            ready = Row("JetStream", "admin", f"bridge {w.worker} still ready and relaying", HARMLESS,
+                        f"/readyz {status}, {after['events'][w.worker] - before['events'][w.worker]} new messages")
+            ready.verdict = "ok" if status == 200 and after["events"][w.worker] > before["events"][w.worker] else "FAIL"
+            rows.append(ready)
+
+        # What subject permissions cannot stop: held to their documented outcome.
+        rows += await _open_rows(a, reader, admin)
+        _print(rows, capsys)
+        assert [r for r in rows if r.verdict.startswith("FAIL")] == [], \
+            table([r for r in rows if r.verdict.startswith("FAIL")])
+        for w in workers:
+            assert await anyio.to_thread.run_sync(w.bridge.stop) == 0
+    finally:
+        for c in clients:
+            await c.nc.close()
+        for w in workers:
+            w.close()
+        server.stop()
+
+
+async def _state(js: Any) -> dict[str, Any]:
+    events = {}
+    for w in ("a", "b"):
+        info = await js.stream_info("KV_EVENTS", subjects_filter=f"kv.{w}.>")
+        events[w] = info.state.messages
+    regs = {w: (await js.get_last_msg("KV_kv_workers", f"$KV.kv_workers.{w}")).data for w in ("a", "b")}
+    heads = {w: json.loads((await js.get_last_msg("KV_kv_snapshots", f"$KV.kv_snapshots.{w}")).data)["worker"]
+             for w in ("a", "b")}
+    consumer = await js.consumer_info("KV_EVENTS", "someone-elses")
+    configs = {name: (await js.stream_info(name)).config for name in ("KV_EVENTS", "KV_kv_workers", "KV_kv_snapshots")}
+    return {"events": events, "registry": {w: json.loads(v)["worker"] for w, v in regs.items()}, "heads": heads,
+            "consumer": (consumer.config.filter_subject, consumer.config.ack_policy),
+            "rollups": {n: bool(c.allow_rollup_hdrs) for n, c in configs.items()}}
+
+
+async def _wait_state(js: Any, before: dict[str, Any]) -> dict[str, Any]:
+    with anyio.move_on_after(15):
+        while True:
+            after = await _state(js)
+            if all(after["events"][w] > before["events"][w] for w in ("a", "b")):
+                return after
+            await anyio.sleep(0.3)
+    return await _state(js)
+
+
+def _readback(mode: str, before: dict[str, Any], after: dict[str, Any]) -> Row:
+    same = (after["registry"] == before["registry"] == {"a": "a", "b": "b"} and after["heads"] == before["heads"]
+            and after["consumer"] == before["consumer"] and not any(after["rollups"].values())
+            and all(after["events"][w] >= before["events"][w] for w in ("a", "b")))
+    row = Row(mode, "admin", "read back: registry keys, snapshot heads, stream messages, consumers, rollups",
+              HARMLESS, "all intact" if same else f"FAIL: {before} -> {after}")
+    row.verdict = "ok" if same else "FAIL"
+    return row
+
+
+async def _open_rows(a: Client, reader: Client, admin: Client) -> list[Row]:
+    """JetStream answers a request on whatever reply subject the requester
+    names, stream subjects included, and the legacy ephemeral-consumer call
+    names its consumer in the body: subject permissions see neither."""
+    js = admin.nc.jetstream()
+    rows = []
+
+    async def b_count() -> int:
+        return int((await js.stream_info("KV_EVENTS", subjects_filter="kv.b.>")).state.messages)
+
+    # A message of a's own making (no Nats-Msg-Id: a copy of one of the
+    # bridge's own would be dropped as a duplicate), then read back onto b's subject.
+    await a.nc.jetstream().publish("kv.a.9", b"crafted by a, saying worker b")
+    before = await b_count()
+    await a.nc.publish("$JS.API.DIRECT.GET.KV_EVENTS.kv.a.9", b"", reply="kv.b.7")
+    await a.nc.flush()
+    await anyio.sleep(0.5)
+    grew = await b_count() - before
+    row = Row("JetStream", "bridge a", "direct get of a message of its own with kv.b.7 as the reply subject", OPEN,
+              f"the server stored {grew} copy of a's message on kv.b.7")
+    row.verdict = "open (documented)" if grew == 1 else "FAIL: changed, update docs/security.md"
+    rows.append(row)
+    await reader.nc.publish("$JS.API.STREAM.INFO.KV_EVENTS", b"", reply="$KV.kv_workers.b")
+    await reader.nc.flush()
+    await anyio.sleep(0.5)
+    entry = (await js.get_last_msg("KV_kv_workers", "$KV.kv_workers.b")).data or b""
+    overwritten = b"stream_info_response" in entry
+    row = Row("JetStream", "reader", "a JetStream read call with b's registry key as the reply subject", OPEN,
+              "b's entry " + ("replaced by the API's answer until b's next heartbeat" if overwritten else "kept"))
+    row.verdict = "open (documented)" if overwritten else "FAIL: changed, update docs/security.md"
+    rows.append(row)
+    answer = await reader.request("$JS.API.CONSUMER.CREATE.KV_EVENTS", {
+        "stream_name": "KV_EVENTS", "config": {"name": "someone-elses", "ack_policy": "explicit",
+                                               "deliver_policy": "all", "filter_subject": "kv.none.>"}})
+    changed = (await js.consumer_info("KV_EVENTS", "someone-elses")).config.filter_subject == "kv.none.>"
+    row = Row("JetStream", "reader", "ephemeral-consumer call naming someone else's consumer in its body", OPEN,
+              f"{answer}; its filter {'changed' if changed else 'kept'}")
+    row.verdict = "open (documented)" if changed else "FAIL: changed, update docs/security.md"
+    rows.append(row)
+    return rows
+
+
+async def test_attack_table_core(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server, pw = _server(tmp_path, jetstream=False)
+    workers = [_bridge(tmp_path, w, server.url, pw, jetstream=False) for w in ("a", "b")]
+    clients: list[Client] = []
+    rows: list[Row] = []
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            await wait_http(w.http, timeout=30)
+        a = await connect(server.url, "bridge-a", pw["bridge-a"])
+        reader = await connect(server.url, "reader", pw["reader"])
+        clients += [a, reader]
+        seen: list[str] = []
+        strangers: list[str] = []
+
+        async def on_msg(msg: Any) -> None:
+            seen.append(msg.subject)
+            if not msg.subject.endswith(".worker"):
+                try:
+                    msgspec.msgpack.decode(msg.data, type=GroupMessage)
+                except msgspec.DecodeError:
+                    strangers.append(msg.subject)
+
+        await reader.nc.subscribe("kv.>", cb=on_msg)
+        await reader.nc.flush()
+        for who, what, expected, run in await _common("core", a, reader):
+            row = Row("core", who, what, expected)
+            try:
+                row.outcome = await run()
+            except Exception as exc:
+                row.outcome = f"client error {type(exc).__name__}"
+            judge(row)
+            rows.append(row)
+        await reader.nc.publish("kvbridge.snapshot.kv.a", b"", reply="kv.b.0")
+        await reader.nc.publish("$SRV.INFO.kv-bridge-snapshot", b"", reply="kv.b.0")
+        await reader.nc.flush()
+        for w in workers:
+            w.publish(5)
+
+        async def relayed() -> bool:
+            return all(any(s.startswith(f"kv.{w}.") and not s.endswith(".worker") for s in seen) for w in ("a", "b"))
+
+        with anyio.move_on_after(15):
+            while not await relayed():
+                await anyio.sleep(0.2)
+        row = Row("core", "reader", "snapshot request and $SRV.INFO with kv.b.0 as reply; then both bridges relay",
+                  HARMLESS,
+                  f"both relayed; messages on kv.> that are no group message: {strangers or 'none'}")
+        row.verdict = "ok" if await relayed() and not strangers else "FAIL"
+        rows.append(row)
+        for w in workers:
+            status, _ = await anyio.to_thread.run_sync(http_get, f"http://127.0.0.1:{w.http}/readyz")
+            ready = Row("core", "admin", f"bridge {w.worker} still ready", HARMLESS, f"/readyz {status}")
+            ready.verdict = "ok" if status == 200 else "FAIL"
+            rows.append(ready)
+        _print(rows, capsys)
+        assert [r for r in rows if r.verdict.startswith("FAIL")] == [], \
+            table([r for r in rows if r.verdict.startswith("FAIL")])
+        for w in workers:
+            assert await anyio.to_thread.run_sync(w.bridge.stop) == 0
+    finally:
+        for c in clients:
+            await c.nc.close()
+        for w in workers:
+            w.close()
+        server.stop()
