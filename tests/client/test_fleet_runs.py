@@ -30,7 +30,7 @@ def _both(items: list[Any]) -> tuple[ResidencyIndex, ReferenceIndex]:
 
 def _plain(fleet: FleetResidency, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fleet reads chains one lookup per block from now on."""
-    monkeypatch.setattr(fleet, "_runs", lambda chain: None)
+    monkeypatch.setattr(fleet._ids, "runs", lambda chain: None)
 
 
 def _same(new: ResidencyIndex, ref: ReferenceIndex, chain: list[Any], monkeypatch: pytest.MonkeyPatch,
@@ -57,8 +57,9 @@ def test_a_run_stops_at_an_id_freed_whose_name_is_stale(monkeypatch: pytest.Monk
         msg([stored(chain[:4])], worker="c"),  # chain[3] again: a new id, the old one still names it
     ])
     fleet = new.fleet
-    old = fleet._ids[chain[2]] + 1
-    assert fleet._hash_at(old) == chain[3] and fleet._ids[chain[3]] != old and not fleet._idstate[old]
+    ids = fleet._ids
+    old = ids.by_hash[chain[2]] + 1
+    assert ids.hash_at(old) == chain[3] and ids.by_hash[chain[3]] != old and not ids.state[old]
     got = _same(new, ref, chain, monkeypatch)
     assert [(m.worker, m.blocks) for m in got] == [("c", 4), ("a", 3), ("b", 0)]
     assert _same(new, ref, chain[3:], monkeypatch)[0].worker == "c"
@@ -167,6 +168,6 @@ def test_a_run_of_ints_stops_at_an_id_reused_by_a_bytes_hash(monkeypatch: pytest
         msg([stored([hb(9)])], worker="a"),  # takes the id ints[2] had
     ])
     fleet = new.fleet
-    assert fleet._ids[hb(9)] == fleet._ids[ints[1]] + 1
+    assert fleet._ids.by_hash[hb(9)] == fleet._ids.by_hash[ints[1]] + 1
     got = _same(new, ref, ints, monkeypatch)
     assert (got[0].worker, got[0].blocks) == ("a", 2)

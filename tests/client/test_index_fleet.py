@@ -91,16 +91,17 @@ def audit(fleet: Any) -> None:
     """The fleet structure's bookkeeping, recounted from its columns: set
     references, counters, unions, aliases, names. Wrong bookkeeping can leave
     answers right and leak (or reuse a set still named)."""
-    S, refs = fleet._S, Counter()  # type: ignore[var-annotated]
+    sets, columns, ids = fleet._sets, fleet._columns, fleet._ids
+    S, refs = sets.S, Counter()  # type: ignore[var-annotated]
 
     def members(sid: int) -> int:
         return S[sid]
 
-    for grp in fleet._groups.values():
+    for grp in columns.groups.values():
         cols = [(t, t.held, t.trusted) for t in grp.tiers.values()]
         if grp.u_held is not None:
             cols.append((grp, grp.u_held, grp.u_trusted))
-            for i in range(fleet._cap):
+            for i in range(columns.cap):
                 want_h = want_t = 0
                 for t in grp.tiers.values():
                     want_h |= members(t.held[i])
@@ -120,15 +121,16 @@ def audit(fleet: Any) -> None:
             assert t.entries == sum(c.held for c in t.cells.values())
             assert t.suspect_entries == sum(c.suspect for c in t.cells.values())
     for sid in range(2, len(S), 2):
-        assert fleet._sref[sid] == refs[sid], sid
+        assert sets.sref[sid] == refs[sid], sid
         if refs[sid]:
-            assert fleet._sid[S[sid]] == sid
-    assert len(fleet._sid) == sum(1 for sid in range(2, len(S), 2) if refs[sid])
-    for h, i in fleet._ids.items():
-        assert fleet._hash_at(i) == h and any(t.held[i] for t in fleet._tier_list)
+            assert sets.sid[S[sid]] == sid
+    assert len(sets.sid) == sum(1 for sid in range(2, len(S), 2) if refs[sid])
+    assert ids.cap == columns.cap and all(len(c) == ids.cap for t in columns.tier_list for c in (t.held, t.trusted))
+    for h, i in ids.by_hash.items():
+        assert ids.hash_at(i) == h and any(t.held[i] for t in columns.tier_list)
     for slot in fleet._keys:
         # a partial view counts one more (fleet.set_partial)
-        assert fleet._suspect[slot] == sum(t.cells[slot].suspect for t in fleet._tier_list if slot in t.cells) + \
+        assert fleet._suspect[slot] == sum(t.cells[slot].suspect for t in columns.tier_list if slot in t.cells) + \
             (slot in fleet._partial)
 
 
