@@ -31,6 +31,9 @@ from bridge.residency.tier_columns import TierColumns
 # worker: None = from block 0 (attention; window of unknown size), k = the
 # last k blocks (window), 1 = the block itself (state).
 Widths = list[tuple[int, list[tuple[int | None, int]]]]
+# A run this short is compared entry by entry: numpy's fixed cost per call
+# (a few µs) is more than the comparisons.
+_SHORT = 48
 
 
 class Answer:
@@ -72,7 +75,8 @@ def run_segments(src: array[int], runs: Runs) -> tuple[list[int], list[int]]:
     """`_segments` of one column read along id runs: (starts, sids), a start
     exactly where the sid changes (blocks between runs hold nobody, sid 0).
     Each run is a slice of the column: one set when it equals that set
-    repeated (a memcmp); otherwise its change points in one numpy pass."""
+    repeated (a memcmp); otherwise its change points, entry by entry when
+    the run is short, else in one numpy pass."""
     starts: list[int] = []
     sids: list[int] = []
     last = -1
@@ -92,13 +96,16 @@ def run_segments(src: array[int], runs: Runs) -> tuple[list[int], list[int]]:
                 sids.append(v)
                 last = v
             continue
-        if col is None:
-            col = np.frombuffer(src, dtype=np.uint32)  # a view: no copy
-        a = col[i:i + length]
-        at = np.flatnonzero(a[1:] != a[:-1])
-        at += 1
         offs = [0]
-        offs += at.tolist()
+        if length <= _SHORT:
+            offs += compress(count(1), map(ne, part[1:], part))
+        else:
+            if col is None:
+                col = np.frombuffer(src, dtype=np.uint32)  # a view: no copy
+            a = col[i:i + length]
+            at = np.flatnonzero(a[1:] != a[:-1])
+            at += 1
+            offs += at.tolist()
         vs = list(map(part.__getitem__, offs))
         if vs[0] == last:
             del offs[0], vs[0]
