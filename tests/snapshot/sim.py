@@ -239,6 +239,6 @@ class ServiceBus:
         self._reply = None
         self.requests += 1
         asked = Msg(_client=self, subject=subject, reply=_REPLY, data=payload)  # type: ignore[arg-type]
-        await bridge.producer.service.answer(ranks[0], Request(asked))
+        await bridge.service.answer(ranks[0], Request(asked))
         assert self._reply is not None, "the service answered nothing"
         return self._reply
