@@ -16,7 +16,7 @@ from bridge.contract import BlockRemoved, BlockStored
 from bridge.residency.fleet import FleetResidency
 from bridge.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, removed, stored
-from tests.client.test_index_fleet import _fleet_traffic, audit
+from tests.client.test_index_fleet import audit, fleet_traffic
 from tests.reference_index import ReferenceIndex
 
 
@@ -93,7 +93,7 @@ def test_runs_across_chunks_of_names_and_mismatches_inside_them(monkeypatch: pyt
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_seeded_fleets_read_fast_as_plain(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    items, chains = _fleet_traffic(seed, 25, window=33, block=16, int_form=seed != 12)
+    items, chains = fleet_traffic(seed, 25, window=33, block=16, int_form=seed != 12)
     new, ref = _both(items)
     rnd = random.Random(seed)
     form = hb if seed == 12 else hi

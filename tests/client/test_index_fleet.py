@@ -306,7 +306,7 @@ TestFleetVersusReference = FleetVersusReference.TestCase
 
 # -- seeded fleets: long chains, shared prefixes, wide windows ---------------------------------------------------
 
-def _fleet_traffic(seed: int, workers: int, *, window: int, block: int, int_form: bool) -> tuple[list[Any], list[list[int]]]:
+def fleet_traffic(seed: int, workers: int, *, window: int, block: int, int_form: bool) -> tuple[list[Any], list[list[int]]]:
     rnd = random.Random(seed)
     form = hi if int_form else hb
     prompts = [[10_000 * p + j for j in range(rnd.randint(5, 60))] for p in range(4)]
@@ -350,7 +350,7 @@ def _fleet_traffic(seed: int, workers: int, *, window: int, block: int, int_form
     (1, 33, 16, True), (2, 1024, 16, False), (3, 65, 1, True), (4, 17, 16, False), (5, 4096, 1, True),
 ])
 def test_seeded_fleets_answer_as_the_reference(seed: int, window: int, block: int, int_form: bool) -> None:
-    items, chains = _fleet_traffic(seed, 30, window=window, block=block, int_form=int_form)
+    items, chains = fleet_traffic(seed, 30, window=window, block=block, int_form=int_form)
     new, ref = ResidencyIndex(), ReferenceIndex()
     for item in items:
         new.apply(item)
@@ -387,7 +387,7 @@ def test_seeded_fleets_answer_as_the_reference(seed: int, window: int, block: in
 
 
 def test_bytes_requests_find_int_published_blocks_in_a_big_fleet() -> None:
-    items, chains = _fleet_traffic(7, 20, window=33, block=16, int_form=True)
+    items, chains = fleet_traffic(7, 20, window=33, block=16, int_form=True)
     new, ref = ResidencyIndex(), ReferenceIndex()
     for item in items:
         new.apply(item)
