@@ -23,9 +23,8 @@ from bridge.client.subscribe import BusMessage, Interruption
 from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
 from bridge.contract.events import BlockHash, BlockStored
 from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
-from bridge.residency.prefix import PrefixMatch, match_view, match_views
-from bridge.residency.prefix import _group_limit as group_limit
-from bridge.residency.views import WorkerKey
+from bridge.residency.prefix import PrefixMatch, group_limit, match_view, match_views
+from bridge.residency.slots import WorkerKey
 
 Table = dict[BlockHash, int]
 

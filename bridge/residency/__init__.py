@@ -10,7 +10,8 @@ the same code (docs/consumers.md, "Index semantics").
 from bridge.residency.hashes import as_int, lookup_keys
 from bridge.residency.index import Envelope, Interruption, ResidencyIndex
 from bridge.residency.prefix import PrefixMatch, window_blocks
-from bridge.residency.views import GroupResidency, WorkerKey, WorkerView
+from bridge.residency.slots import WorkerKey
+from bridge.residency.views import GroupResidency, WorkerView
 
 __all__ = [
     "Envelope", "GroupResidency", "Interruption", "PrefixMatch", "ResidencyIndex", "WorkerKey", "WorkerView",

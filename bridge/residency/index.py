@@ -60,9 +60,9 @@ from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
 from bridge.contract.snapshot import SNAPSHOT_VERSION, GroupState, RankSnapshot, SnapshotMissing, TierState
 from bridge.residency.fleet import FleetResidency
 from bridge.residency.lean import STORED_TYPES, LeanStored, ResidencyMessage, token_count
-from bridge.residency.prefix import PrefixMatch, window_blocks
-from bridge.residency.prefix import _group_limit as group_limit
-from bridge.residency.views import GroupResidency, WorkerKey, WorkerView
+from bridge.residency.prefix import PrefixMatch, group_limit, window_blocks
+from bridge.residency.slots import WorkerKey
+from bridge.residency.views import GroupResidency, WorkerView
 
 
 class Interruption(msgspec.Struct, frozen=True):

@@ -16,13 +16,48 @@ with no attention, window or state group known reuses nothing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 
 from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
 from bridge.residency.hashes import lookup_keys
-from bridge.residency.views import GroupResidency, Table, WorkerView
+from bridge.residency.slots import WorkerKey
+
+Table = Mapping[BlockHash, int]
+
+
+class GroupShape(Protocol):
+    """What the rule needs to know about one worker's group (a `views.GroupResidency`)."""
+
+    @property
+    def family(self) -> str: ...
+
+    @property
+    def window(self) -> int | None: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
+class HeldGroup(GroupShape, Protocol):
+    """A group whose tables `match_view` reads."""
+
+    def tables(self, media: Iterable[str] | None, include_suspect: bool) -> list[Table]: ...
+
+
+class HeldView(Protocol):
+    """A worker's view as `match_view` reads it (a `views.WorkerView`)."""
+
+    @property
+    def key(self) -> WorkerKey: ...
+
+    @property
+    def stale(self) -> bool: ...
+
+    @property
+    def groups(self) -> Mapping[int, HeldGroup]: ...
 
 
 class PrefixMatch(msgspec.Struct, frozen=True, gc=False):
@@ -54,8 +89,9 @@ def _held(tables: list[Table], keys: list[tuple[BlockHash, ...]]) -> list[bool]:
     return [any(k in t for t in tables for k in ks) for ks in keys]
 
 
-def _group_limit(g: GroupResidency, held: list[bool]) -> tuple[list[bool], int]:
-    """(allowed[p] for p in 0..n, deepest allowed p) for one group."""
+def group_limit(g: GroupShape, held: list[bool]) -> tuple[list[bool], int]:
+    """(allowed[p] for p in 0..n, deepest allowed p) for one group, given
+    which of the chain's blocks it holds (`held[i]` for block i)."""
     n = len(held)
     allowed = [True] * (n + 1)
     if g.family == STATE:
@@ -73,7 +109,7 @@ def _group_limit(g: GroupResidency, held: list[bool]) -> tuple[list[bool], int]:
 
 
 def match_view(
-    view: WorkerView,
+    view: HeldView,
     chain: Sequence[BlockHash],
     media: Collection[str] | None = None,
     include_suspect: bool = False,
@@ -89,14 +125,14 @@ def match_view(
             continue
         constrained = True
         held = _held(g.tables(media, include_suspect), keys)
-        allowed, limits[group] = _group_limit(g, held)
+        allowed, limits[group] = group_limit(g, held)
         feasible = [a and b for a, b in zip(feasible, allowed, strict=True)]
     blocks = max(p for p in range(n + 1) if feasible[p]) if constrained else 0
     return PrefixMatch(view.key.worker, view.key.dp_rank, blocks, view.stale, limits)
 
 
 def match_views(
-    views: Collection[WorkerView],
+    views: Collection[HeldView],
     chain: Sequence[BlockHash],
     media: Collection[str] | None = None,
     include_suspect: bool = False,

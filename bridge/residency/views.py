@@ -11,25 +11,12 @@ The rules for feeding it (records, epochs) live in `bridge.residency.index`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 from bridge.contract import BlockHash
-
-if TYPE_CHECKING:
-    from bridge.residency.fleet import FleetResidency
-
-Table = Mapping[BlockHash, int]
-
-
-class WorkerKey(NamedTuple):
-    worker: str
-    dp_rank: int
-
-
-def _private_fleet() -> FleetResidency:
-    from bridge.residency.fleet import FleetResidency
-
-    return FleetResidency()
+from bridge.residency.fleet import FleetResidency
+from bridge.residency.prefix import Table
+from bridge.residency.slots import WorkerKey
 
 
 class _Table(Mapping[BlockHash, int]):
@@ -162,7 +149,7 @@ class GroupResidency:
     def _bound(self) -> FleetResidency:
         """The fleet holding this group's data; a group no view took gets one of its own."""
         if self._fleet is None:
-            fleet = _private_fleet()
+            fleet = FleetResidency()
             slot = fleet.add_slot(WorkerKey("", 0))
             self._fleet, self._slot = fleet, slot
             fleet.set_shape(slot, self.group, self)
@@ -303,7 +290,7 @@ class WorkerView:
                  "duplicates_ignored", "_fleet", "_slot", "_partial")
 
     def __init__(self, key: WorkerKey, epoch: int, fleet: FleetResidency | None = None) -> None:
-        self._fleet = fleet if fleet is not None else _private_fleet()
+        self._fleet = fleet if fleet is not None else FleetResidency()
         self._slot = self._fleet.add_slot(key)
         self.key = key
         self.epoch = epoch  # 0: not known yet; the first one seen is adopted as is

@@ -16,7 +16,7 @@ from bridge.contract import BlockRemoved, BlockStored
 from bridge.residency.fleet import FleetResidency
 from bridge.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, removed, stored
-from tests.client.test_index_fleet import _fleet_traffic, audit
+from tests.client.test_index_fleet import audit, fleet_traffic
 from tests.reference_index import ReferenceIndex
 
 
@@ -30,7 +30,7 @@ def _both(items: list[Any]) -> tuple[ResidencyIndex, ReferenceIndex]:
 
 def _plain(fleet: FleetResidency, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fleet reads chains one lookup per block from now on."""
-    monkeypatch.setattr(fleet, "_runs", lambda chain: None)
+    monkeypatch.setattr(fleet._ids, "runs", lambda chain: None)
 
 
 def _same(new: ResidencyIndex, ref: ReferenceIndex, chain: list[Any], monkeypatch: pytest.MonkeyPatch,
@@ -57,8 +57,9 @@ def test_a_run_stops_at_an_id_freed_whose_name_is_stale(monkeypatch: pytest.Monk
         msg([stored(chain[:4])], worker="c"),  # chain[3] again: a new id, the old one still names it
     ])
     fleet = new.fleet
-    old = fleet._ids[chain[2]] + 1
-    assert fleet._hash_at(old) == chain[3] and fleet._ids[chain[3]] != old and not fleet._idstate[old]
+    ids = fleet._ids
+    old = ids.by_hash[chain[2]] + 1
+    assert ids.hash_at(old) == chain[3] and ids.by_hash[chain[3]] != old and not ids.state[old]
     got = _same(new, ref, chain, monkeypatch)
     assert [(m.worker, m.blocks) for m in got] == [("c", 4), ("a", 3), ("b", 0)]
     assert _same(new, ref, chain[3:], monkeypatch)[0].worker == "c"
@@ -92,7 +93,7 @@ def test_runs_across_chunks_of_names_and_mismatches_inside_them(monkeypatch: pyt
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_seeded_fleets_read_fast_as_plain(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    items, chains = _fleet_traffic(seed, 25, window=33, block=16, int_form=seed != 12)
+    items, chains = fleet_traffic(seed, 25, window=33, block=16, int_form=seed != 12)
     new, ref = _both(items)
     rnd = random.Random(seed)
     form = hb if seed == 12 else hi
@@ -167,6 +168,6 @@ def test_a_run_of_ints_stops_at_an_id_reused_by_a_bytes_hash(monkeypatch: pytest
         msg([stored([hb(9)])], worker="a"),  # takes the id ints[2] had
     ])
     fleet = new.fleet
-    assert fleet._ids[hb(9)] == fleet._ids[ints[1]] + 1
+    assert fleet._ids.by_hash[hb(9)] == fleet._ids.by_hash[ints[1]] + 1
     got = _same(new, ref, ints, monkeypatch)
     assert (got[0].worker, got[0].blocks) == ("a", 2)

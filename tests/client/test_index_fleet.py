@@ -91,16 +91,17 @@ def audit(fleet: Any) -> None:
     """The fleet structure's bookkeeping, recounted from its columns: set
     references, counters, unions, aliases, names. Wrong bookkeeping can leave
     answers right and leak (or reuse a set still named)."""
-    S, refs = fleet._S, Counter()  # type: ignore[var-annotated]
+    sets, columns, ids = fleet._sets, fleet._columns, fleet._ids
+    S, refs = sets.S, Counter()  # type: ignore[var-annotated]
 
     def members(sid: int) -> int:
         return S[sid]
 
-    for grp in fleet._groups.values():
+    for grp in columns.groups.values():
         cols = [(t, t.held, t.trusted) for t in grp.tiers.values()]
         if grp.u_held is not None:
             cols.append((grp, grp.u_held, grp.u_trusted))
-            for i in range(fleet._cap):
+            for i in range(columns.cap):
                 want_h = want_t = 0
                 for t in grp.tiers.values():
                     want_h |= members(t.held[i])
@@ -120,15 +121,16 @@ def audit(fleet: Any) -> None:
             assert t.entries == sum(c.held for c in t.cells.values())
             assert t.suspect_entries == sum(c.suspect for c in t.cells.values())
     for sid in range(2, len(S), 2):
-        assert fleet._sref[sid] == refs[sid], sid
+        assert sets.sref[sid] == refs[sid], sid
         if refs[sid]:
-            assert fleet._sid[S[sid]] == sid
-    assert len(fleet._sid) == sum(1 for sid in range(2, len(S), 2) if refs[sid])
-    for h, i in fleet._ids.items():
-        assert fleet._hash_at(i) == h and any(t.held[i] for t in fleet._tier_list)
+            assert sets.sid[S[sid]] == sid
+    assert len(sets.sid) == sum(1 for sid in range(2, len(S), 2) if refs[sid])
+    assert ids.cap == columns.cap and all(len(c) == ids.cap for t in columns.tier_list for c in (t.held, t.trusted))
+    for h, i in ids.by_hash.items():
+        assert ids.hash_at(i) == h and any(t.held[i] for t in columns.tier_list)
     for slot in fleet._keys:
         # a partial view counts one more (fleet.set_partial)
-        assert fleet._suspect[slot] == sum(t.cells[slot].suspect for t in fleet._tier_list if slot in t.cells) + \
+        assert fleet._suspect[slot] == sum(t.cells[slot].suspect for t in columns.tier_list if slot in t.cells) + \
             (slot in fleet._partial)
 
 
@@ -304,7 +306,7 @@ TestFleetVersusReference = FleetVersusReference.TestCase
 
 # -- seeded fleets: long chains, shared prefixes, wide windows ---------------------------------------------------
 
-def _fleet_traffic(seed: int, workers: int, *, window: int, block: int, int_form: bool) -> tuple[list[Any], list[list[int]]]:
+def fleet_traffic(seed: int, workers: int, *, window: int, block: int, int_form: bool) -> tuple[list[Any], list[list[int]]]:
     rnd = random.Random(seed)
     form = hi if int_form else hb
     prompts = [[10_000 * p + j for j in range(rnd.randint(5, 60))] for p in range(4)]
@@ -348,7 +350,7 @@ def _fleet_traffic(seed: int, workers: int, *, window: int, block: int, int_form
     (1, 33, 16, True), (2, 1024, 16, False), (3, 65, 1, True), (4, 17, 16, False), (5, 4096, 1, True),
 ])
 def test_seeded_fleets_answer_as_the_reference(seed: int, window: int, block: int, int_form: bool) -> None:
-    items, chains = _fleet_traffic(seed, 30, window=window, block=block, int_form=int_form)
+    items, chains = fleet_traffic(seed, 30, window=window, block=block, int_form=int_form)
     new, ref = ResidencyIndex(), ReferenceIndex()
     for item in items:
         new.apply(item)
@@ -385,7 +387,7 @@ def test_seeded_fleets_answer_as_the_reference(seed: int, window: int, block: in
 
 
 def test_bytes_requests_find_int_published_blocks_in_a_big_fleet() -> None:
-    items, chains = _fleet_traffic(7, 20, window=33, block=16, int_form=True)
+    items, chains = fleet_traffic(7, 20, window=33, block=16, int_form=True)
     new, ref = ResidencyIndex(), ReferenceIndex()
     for item in items:
         new.apply(item)
