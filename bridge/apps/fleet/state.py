@@ -183,11 +183,13 @@ def hybrid_effect(view: WorkerView, sample: int) -> tuple[int, int, int]:
         return 0, 0, 0
     taken = 0
     ok = 0
-    for medium in att.media():
+    seen: set[BlockHash] = set()  # a block in two tiers is sampled once
+    for medium in sorted(att.media()):
         table = att.trusted.get(medium)
         if table is None:
             continue
-        for h in _first(table, sample - taken):
+        for h in _first(table, sample - taken, seen):
+            seen.add(h)
             taken += 1
             if all(any(g.count(m, h) for m in g.media()) for g in others):
                 ok += 1
@@ -213,11 +215,13 @@ def distinct_held(g: GroupResidency) -> int:
     return held + len(seen)
 
 
-def _first(table: Any, n: int) -> Sequence[BlockHash]:
+def _first(table: Any, n: int, skip: set[BlockHash]) -> Sequence[BlockHash]:
     out: list[BlockHash] = []
     if n <= 0:
         return out
     for h in table:
+        if h in skip:
+            continue
         out.append(h)
         if len(out) >= n:
             break
