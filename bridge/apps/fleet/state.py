@@ -137,14 +137,19 @@ class ObserveState:
         matches = self.index.longest_prefix(chain, media=q.media, include_suspect=q.include_suspect,
                                             include_unwatched=q.include_dead, skip_workers=skip)
         workers: list[dict[str, Any]] = []
+        enough = max(q.min_blocks, 1)
+        chosen = []
         for m in matches:
             view = self.index.view(m.worker, m.dp_rank)
             attention = self._attention_limit(view, m.limits)
             if attention:
                 self.prefix_blocks[(m.worker, "attention")] += attention
                 self.prefix_blocks[(m.worker, "hybrid")] += m.blocks
-            if m.blocks < max(q.min_blocks, 1) or len(workers) >= max(q.limit, 0):
-                continue
+            if m.blocks >= enough:
+                chosen.append((m, view))
+        # Deepest first; ties in worker order, whatever order the index met them in.
+        chosen.sort(key=lambda mv: (-mv[0].blocks, mv[0].worker, mv[0].dp_rank))
+        for m, view in chosen[:max(q.limit, 0)]:
             workers.append({
                 "worker": m.worker, "dp_rank": m.dp_rank, "blocks": m.blocks, "stale": m.stale,
                 "liveness": self.liveness(view, now) if view is not None else "?",
