@@ -21,7 +21,7 @@ from bridge.apps.fleet.http import Response, serve_http
 from bridge.apps.fleet.metrics import HybridCache, make_registry, render
 from bridge.apps.fleet.options import ObserveOptions
 from bridge.apps.fleet.query import QueryError, decode_query, query_chain, usable_algos
-from bridge.apps.fleet.state import ObserveState, hybrid_effect
+from bridge.apps.fleet.state import ObserveState, hybrid_effect, hybrid_steps
 from bridge.client.bootstrap import BootstrapOptions
 from bridge.client.connection import BusConnection
 from bridge.client.registry import RegistryFollower, declare_entry
@@ -189,12 +189,17 @@ class ObserveService:
         self.hybrid.updated = time.time()
 
     async def refresh_hybrid_async(self) -> None:
-        """refresh_hybrid, a checkpoint after each worker rank (each costs
-        about --hybrid-sample lookups per group)."""
+        """refresh_hybrid, a checkpoint after every 256 sampled blocks."""
         values = {}
         for view in self.state.index:
-            if self.state.index.views.get(view.key) is view:  # not forgotten meanwhile
-                values[(view.key.worker, view.key.dp_rank)] = hybrid_effect(view, self.opts.hybrid_sample)
+            steps = hybrid_steps(view, self.opts.hybrid_sample)
+            while self.state.index.views.get(view.key) is view:  # not forgotten meanwhile
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    values[(view.key.worker, view.key.dp_rank)] = done.value
+                    break
+                await anyio.lowlevel.checkpoint()
             await anyio.lowlevel.checkpoint()
         self.hybrid.values = values
         self.hybrid.updated = time.time()

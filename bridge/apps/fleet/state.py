@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Generator
 from typing import Any
 
 from bridge.apps.fleet.query import MAX_CHAIN, PrefixQuery, QueryError
@@ -173,17 +173,30 @@ class ObserveState:
 
 def hybrid_effect(view: WorkerView, sample: int) -> tuple[int, int, int]:
     """(attention blocks held, of them sampled, of the sample those where every
-    window and state group of the worker can resume too), on the GPU tier's
-    trusted entries. A block is resumable when each window group holds it and
-    each state group has a checkpoint at it: the hybrid rule at the block
-    after it (window groups need more than that block, so this is an upper
-    bound). Costs `sample` lookups per other group, whatever the fleet size."""
+    window and state group of the worker can resume too), on the attention
+    group's trusted entries (a block in two tiers counted once). A block is
+    resumable when each window group holds it and each state group has a
+    checkpoint at it: the hybrid rule at the block after it (window groups
+    need more than that block, so this is an upper bound). Costs `sample`
+    lookups per other group, whatever the fleet size."""
+    steps = hybrid_steps(view, sample)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def hybrid_steps(view: WorkerView, sample: int, every: int = 256) -> Generator[None, None, tuple[int, int, int]]:
+    """`hybrid_effect` a slice at a time: it yields after every `every`
+    sampled blocks (the caller may let others run) and returns the figures.
+    What changes between slices changes the sample, not its bounds."""
     attention = [g for g in view.groups.values() if g.family == ATTENTION]
-    others = [g for g in view.groups.values() if g.family in (WINDOW, STATE)]
+    others = [(g, sorted(g.media())) for g in view.groups.values() if g.family in (WINDOW, STATE)]
     if not attention:
         return 0, 0, 0
     att = attention[0]
-    held = distinct_held(att)
+    held = yield from distinct_held_steps(att)
     if not held:
         return 0, 0, 0
     taken = 0
@@ -193,11 +206,18 @@ def hybrid_effect(view: WorkerView, sample: int) -> tuple[int, int, int]:
         table = att.trusted.get(medium)
         if table is None:
             continue
-        for h in _first(table, sample - taken, seen):
+        # Read lazily, a slice at a time: what the view loses meanwhile is not read.
+        for h in table:
+            if h in seen:
+                continue
             seen.add(h)
             taken += 1
-            if all(any(g.count(m, h) for m in g.media()) for g in others):
+            if all(any(g.count(m, h) for m in media) for g, media in others):
                 ok += 1
+            if taken >= sample:
+                break
+            if taken % every == 0:
+                yield
         if taken >= sample:
             break
     return held, taken, ok
@@ -205,29 +225,29 @@ def hybrid_effect(view: WorkerView, sample: int) -> tuple[int, int, int]:
 
 def distinct_held(g: GroupResidency) -> int:
     """Distinct trusted hashes of a group over every tier: a block held on
-    GPU and CPU counts once. Costs a lookup per entry of every tier but the
-    largest."""
+    GPU and CPU counts once."""
+    steps = distinct_held_steps(g)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def distinct_held_steps(g: GroupResidency, every: int = 4096) -> Generator[None, None, int]:
+    """`distinct_held` a slice at a time (a yield every `every` entries): a
+    lookup per entry of every tier but the largest."""
     media = sorted(g.media(), key=g.resident)
     if len(media) <= 1:
         return g.resident(media[0]) if media else 0
     largest = media[-1]
-    held = g.resident(largest)
     seen: set[BlockHash] = set()
+    n = 0
     for medium in media[:-1]:
         for h in g.trusted[medium]:
             if h not in seen and not g.count(largest, h):
                 seen.add(h)
-    return held + len(seen)
-
-
-def _first(table: Any, n: int, skip: set[BlockHash]) -> Sequence[BlockHash]:
-    out: list[BlockHash] = []
-    if n <= 0:
-        return out
-    for h in table:
-        if h in skip:
-            continue
-        out.append(h)
-        if len(out) >= n:
-            break
-    return out
+            n += 1
+            if n % every == 0:
+                yield
+    return g.resident(largest) + len(seen)
