@@ -163,14 +163,15 @@ def _fill(index: Any) -> None:
                                      events=[ev]))
 
 
-async def _serve_and_measure(clients: int, seconds: float) -> dict[str, Any]:
+async def _serve_and_measure(clients: int, seconds: float, concurrency: int = 0) -> dict[str, Any]:
     from bridge.apps.fleet import ObserveOptions, ObserveService
     from bridge.client.connection import settings_for
     from bridge.runtime.nats_server import NatsServerProcess
 
     with NatsServerProcess(jetstream=False) as server:
+        extra = {"query_concurrency": concurrency} if concurrency else {}
         service = ObserveService(ObserveOptions(http_host="127.0.0.1", http_port=0, bucket="", bootstrap=None,
-                                                hybrid_interval=5.0))
+                                                hybrid_interval=5.0, **extra))  # type: ignore[arg-type]
         _fill(service.state.index)
         pauses: list[float] = []
         async with anyio.create_task_group() as tg:
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--query-concurrency", type=int, default=0, help="observe's --query-concurrency (its default)")
     parser.add_argument("--smoke", action="store_true", help="2 clients, 3 s")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)  # the child's side
@@ -211,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         args.clients, args.seconds = 2, 3.0
-    result = anyio.run(_serve_and_measure, args.clients, args.seconds)
+    import logging
+
+    import structlog
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    result = anyio.run(_serve_and_measure, args.clients, args.seconds, args.query_concurrency)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out is not None:

@@ -1045,6 +1045,12 @@ class FleetResidency:
         return len(self._ids)
 
     @property
+    def holds_digests(self) -> bool:
+        """Some hash is held in its 32-byte form: a chain of digests is then
+        matched in both forms; else its int form alone says the same."""
+        return self._bytes_ids > 0
+
+    @property
     def entries(self) -> int:
         """(worker rank, group, medium, hash) entries held, any layer."""
         return sum(t.entries for t in self._tier_list)

@@ -187,3 +187,22 @@ async def test_a_block_in_two_tiers_counts_once() -> None:
     hybrid.values = {("w", 0): (held, taken, ok)}
     text = render(make_registry(state, hybrid, 10)).decode()
     assert 'kvobserve_hybrid_attention_blocks{dp_rank="0",worker="w"} 15.0' in text
+
+
+async def test_a_digest_chain_is_asked_in_int_form_when_no_digest_is_held() -> None:
+    """The service asks an index that holds only ints with the chain's int
+    form (bridge.residency's fast path): the same answer as the digests."""
+    from bridge.apps.fleet.query import int_form
+    from bridge.residency.hashes import as_int
+
+    state = ObserveState()
+    chain = [hb(i) for i in range(40)]
+    state.index.apply(msg([stored([as_int(h) for h in chain[:30]])], worker="ints"))
+    assert not state.index.fleet.holds_digests
+    ints = await int_form(chain)
+    assert ints == [as_int(h) for h in chain] and await int_form(ints) is None
+    q = PrefixQuery(chain=[h.hex() for h in chain])
+    assert state.prefix(q, ints, "http")["workers"] == state.prefix(q, list(chain), "http")["workers"]
+    assert state.prefix(q, ints, "http")["workers"][0]["blocks"] == 30
+    state.index.apply(msg([stored(chain[:35])], worker="digests"))
+    assert state.index.fleet.holds_digests  # the service then asks with the digests

@@ -11,7 +11,7 @@ from bridge.client.subscribe import DEFAULT_STREAM, StartAt, parse_since
 DEFAULT_PORT = 9410
 DEFAULT_SERVICE_SUBJECT = "kvobserve"
 DEFAULT_EXPIRE_AFTER = 3600.0
-DEFAULT_QUERY_CONCURRENCY = 2
+DEFAULT_QUERY_CONCURRENCY = 1
 
 
 class ObserveOptions:

@@ -20,7 +20,7 @@ from bridge import __version__
 from bridge.apps.fleet.http import Response, serve_http
 from bridge.apps.fleet.metrics import HybridCache, make_registry, render
 from bridge.apps.fleet.options import ObserveOptions
-from bridge.apps.fleet.query import QueryError, decode_query, query_chain, usable_algos
+from bridge.apps.fleet.query import QueryError, decode_query, int_form, query_chain, usable_algos
 from bridge.apps.fleet.state import ObserveState, hybrid_effect, hybrid_steps
 from bridge.client.bootstrap import BootstrapOptions
 from bridge.client.connection import BusConnection
@@ -78,7 +78,10 @@ class ObserveService:
                 t0 = time.perf_counter()
                 q, tokens = await decode_query(body, _checkpoint)
                 chain = await query_chain(q, _checkpoint, self.algos, tokens)
+                ints = await int_form(chain, _checkpoint)
                 # The lookup runs in one go, on a view no message changes meanwhile.
+                if ints is not None and not self.state.index.fleet.holds_digests:
+                    chain = ints  # the same answer, without matching both forms block by block
                 answer = self.state.prefix(q, chain, transport, spent=time.perf_counter() - t0)
             return 200, _JSON, _json(answer)
         except QueryError as exc:
