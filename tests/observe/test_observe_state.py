@@ -23,6 +23,7 @@ from bridge.apps.fleet.query import (
 )
 from bridge.apps.fleet.state import ObserveState, hybrid_effect
 from bridge.client.chain import ALGOS, ChainHasher
+from bridge.client.subscribe import BusMessage
 from tests.client.builders import ATTN, hb, msg, record, stored
 
 pytestmark = pytest.mark.anyio
@@ -154,11 +155,10 @@ async def test_an_expired_rank_back_without_a_reset_is_partial() -> None:
     state.expire(0.0, after=1.0)
     assert state.expire(1.0, after=1.0) == ["a"]
 
-    class _Item:
-        body = msg([stored([hb(1)])], worker="a", seq=99)
-
-    service._back_from_expiry(_Item())
-    state.index.apply(_Item.body)
+    body = msg([stored([hb(1)])], worker="a", seq=99)
+    item = BusMessage("kv.a.0", {}, body, 0.0)
+    service._back_from_expiry(item)
+    state.index.apply(item)
     view = state.index.view("a")
     assert view is not None and view.partial and view.stale
 

@@ -28,6 +28,7 @@ from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.client.subscribe import BusMessage, BusSubscriber
 from bridge.contract import WorkerRecord
 from bridge.contract.snapshot import RankSnapshot
+from bridge.contract.subjects import parse_worker_token
 from bridge.residency.views import WorkerKey
 from bridge.runtime.access import NatsAccess
 from bridge.runtime.stopping import close_quietly
@@ -59,7 +60,7 @@ class ObserveService:
         self.hybrid = HybridCache()
         self.registry = make_registry(self.state, self.hybrid, opts.max_worker_series)
         self.http_port: int | None = None
-        self.ready = anyio.Event()  # listening, connected, subscribed (not yet bootstrapped: is_ready())
+        self.ready = anyio.Event()  # listening, connected, subscribed and bootstrapped
         self._tick = time.monotonic()
         self.micro: nats.micro.service.Service | None = None
         self.algos = usable_algos()
@@ -160,14 +161,17 @@ class ObserveService:
     def _back_from_expiry(self, item: object) -> None:
         """A rank forgotten on expiry that speaks again: with a record that
         resets it, it starts afresh; otherwise its view lacks its past and is
-        partial (stale) until such a record."""
-        body = getattr(item, "body", None)
-        worker, rank = getattr(body, "worker", None), getattr(body, "dp_rank", None)
-        if type(worker) is not str or type(rank) is not int:
+        partial (stale) until such a record. The rank is the subject's."""
+        if type(item) is not BusMessage:
+            return
+        try:
+            worker, rank = parse_worker_token(item.subject.rsplit(".", 2)[-2])
+        except (ValueError, IndexError):
             return
         key = WorkerKey(worker, rank)
         if self.state.expired.pop(key, None) is None:
             return
+        body = item.body
         resets = type(body) is WorkerRecord and body.type in ("start", "restart")
         if not resets:
             self.state.index.missing(worker, rank)
