@@ -1037,6 +1037,26 @@ class FleetResidency:
             if c:
                 yield self._hash_at(i), c  # type: ignore[misc]
 
+    def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]:
+        """Up to `n` hashes one worker rank holds trusted in a tier, in the
+        order its log took them: a sample that costs about `n` steps, where
+        `layer_items` lists the whole tier first."""
+        tier = self._tiers.get((group, medium))
+        cell = None if tier is None else tier.cells.get(slot)
+        out: list[BlockHash] = []
+        if cell is None or tier is None or n <= 0:
+            return out
+        seen: set[int] = set()
+        for i in cell.log:
+            if i in seen:
+                continue
+            seen.add(i)
+            if self._has(tier.held[i], slot) and self._state(tier, i, slot)[0]:
+                out.append(self._hash_at(i))
+                if len(out) >= n:
+                    break
+        return out
+
     # -- aggregate figures ----------------------------------------------------
 
     @property

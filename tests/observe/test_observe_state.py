@@ -206,3 +206,21 @@ async def test_a_digest_chain_is_asked_in_int_form_when_no_digest_is_held() -> N
     assert state.prefix(q, ints, "http")["workers"][0]["blocks"] == 30
     state.index.apply(msg([stored(chain[:35])], worker="digests"))
     assert state.index.fleet.holds_digests  # the service then asks with the digests
+
+
+async def test_the_hybrid_sample_reads_only_held_trusted_blocks() -> None:
+    """GroupResidency.sample: the first n trusted hashes, what the hybrid
+    figures sample, without listing the whole tier."""
+    from tests.client.builders import removed
+
+    state = ObserveState()
+    state.index.apply(msg([stored([hb(i) for i in range(20)])]))
+    state.index.apply(msg([removed([hb(i) for i in range(0, 20, 2)])]))
+    view = state.index.view("w")
+    assert view is not None
+    g = view.groups[ATTN]
+    assert set(g.sample("GPU", 100)) == set(g.trusted["GPU"]) == {hb(i) for i in range(1, 20, 2)}
+    assert len(g.sample("GPU", 3)) == 3 and set(g.sample("GPU", 3)) <= set(g.trusted["GPU"])
+    assert g.sample("CPU", 5) == [] and g.sample("GPU", 0) == []
+    state.index.apply(record("gap", gap=(1, 2)))  # every entry suspect now
+    assert g.sample("GPU", 100) == [] and hybrid_effect(view, 4096) == (0, 0, 0)

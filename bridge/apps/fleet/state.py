@@ -203,11 +203,8 @@ def hybrid_steps(view: WorkerView, sample: int, every: int = 256) -> Generator[N
     ok = 0
     seen: set[BlockHash] = set()  # a block in two tiers is sampled once
     for medium in sorted(att.media()):
-        table = att.trusted.get(medium)
-        if table is None:
-            continue
-        # Read lazily, a slice at a time: what the view loses meanwhile is not read.
-        for h in table:
+        # At most len(seen) of them were sampled in an earlier tier already.
+        for h in att.sample(medium, sample - taken + len(seen)):
             if h in seen:
                 continue
             seen.add(h)
