@@ -159,6 +159,10 @@ class BusSubscriber:
         # Bootstrapping: the items it begins with; after it, the live-phase rules.
         self._opening: list[BusItem] = []
         self._gate: LiveGate | None = None
+        # True once every item the subscription opens with (each rank's
+        # snapshot or SnapshotMissing, the spliced buffer) has been handed
+        # out: a reader that applied them is caught up with what it found.
+        self.opened = False
 
     async def start(self) -> None:
         nc = self._conn.nc
@@ -202,6 +206,7 @@ class BusSubscriber:
         opening, self._opening = self._opening, []
         for first in opening:
             yield first
+        self.opened = True
         async for msg in self._sub.messages:
             interruption = self._interruption()
             if interruption is not None:

@@ -495,12 +495,38 @@ class FleetResidency:
             if c:
                 yield self._ids.hash_at(i), c  # type: ignore[misc]
 
+    def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]:
+        """Up to `n` hashes one worker rank holds trusted in a tier, in the
+        order its log took them: a sample that costs about `n` steps, where
+        `layer_items` lists the whole tier first."""
+        tier = self._columns.tiers.get((group, medium))
+        cell = None if tier is None else tier.cells.get(slot)
+        out: list[BlockHash] = []
+        if cell is None or tier is None or n <= 0:
+            return out
+        seen: set[int] = set()
+        for i in cell.log:
+            if i in seen:
+                continue
+            seen.add(i)
+            if self._sets.has(tier.held[i], slot) and self._state(tier, i, slot)[0]:
+                out.append(self._ids.hash_at(i))
+                if len(out) >= n:
+                    break
+        return out
+
     # -- aggregate figures ----------------------------------------------------
 
     @property
     def hashes(self) -> int:
         """Distinct hashes held anywhere (any worker, group, medium)."""
         return len(self._ids)
+
+    @property
+    def holds_digests(self) -> bool:
+        """Some hash is held in its 32-byte form: a chain of digests is then
+        matched in both forms; else its int form alone says the same."""
+        return self._ids.bytes_ids > 0
 
     @property
     def entries(self) -> int:

@@ -219,6 +219,12 @@ class GroupResidency:
         f = self._fleet
         return 0 if f is None else f.copies(self._slot, self.group, medium, h, "suspect" if suspect else "trusted")
 
+    def sample(self, medium: str, n: int) -> list[BlockHash]:
+        """Up to `n` trusted hashes of `medium`, the first the group took
+        (costs about `n` steps, not the tier's size)."""
+        f = self._fleet
+        return [] if f is None else f.first_trusted(self._slot, self.group, medium, n)
+
     def tables(self, media: Iterable[str] | None, include_suspect: bool) -> list[Table]:
         """The non-empty tables of the allowed media (what `prefix.match_view` reads)."""
         layers = ("trusted", "suspect") if include_suspect else ("trusted",)

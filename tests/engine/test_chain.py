@@ -77,6 +77,19 @@ def test_lora_and_cache_salt_extra_keys(monkeypatch: pytest.MonkeyPatch, algo: s
     assert all(a != b for a, b in zip(salted, plain))
 
 
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_the_xxhash_chain_is_vllms(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
+    """With the engine's PYTHONHASHSEED the XXH3-128 chains are reproducible
+    (the `xxhash` package is a dependency: `observe` advertises these algos)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "11")
+    tokens = _tokens(16 * 4 + 1, seed=2)
+    want = _vllm_chain(tokens, 16, algo)
+    hasher = ChainHasher(16, algo=algo, seed="11")
+    assert hasher.root == ku.NONE_HASH
+    assert hasher.chain(tokens) == want and len(want) == 4 and all(len(h) == 16 for h in want)
+    assert hasher.chain(tokens, cache_salt="t") == _vllm_chain(tokens, 16, algo, cache_salt="t")
+
+
 def test_reusable_leaves_the_last_token_to_the_engine() -> None:
     hasher = ChainHasher(16)
     assert len(hasher.reusable(_tokens(48))) == 2  # a full last block is computed again

@@ -135,7 +135,8 @@ class ObserveCollector(Collector):
             for name, (_, attr) in per.items():
                 per_families[name].add_metric(wl, getattr(v, attr))
             lag.add_metric(wl, v.lag or 0.0)
-            staleness.add_metric(wl, max(0.0, now - v.last_received) if v.last_received else now - st.started)
+            heard = st.last_heard(v)
+            staleness.add_metric(wl, max(0.0, now - (heard if heard is not None else st.started)))
             stale.add_metric(wl, 1 if v.stale else 0)
             watching.add_metric(wl, 1 if v.watching else 0)
             last_seq.add_metric(wl, v.last_seq if v.last_seq is not None else -1)
@@ -148,8 +149,9 @@ class ObserveCollector(Collector):
         yield watching
         yield last_seq
 
-        att = GaugeMetricFamily("kvobserve_hybrid_attention_blocks", "Attention-group blocks held (GPU and other "
-                                "tiers, trusted), per worker rank.", labels=["worker", "dp_rank"])
+        att = GaugeMetricFamily("kvobserve_hybrid_attention_blocks", "Distinct attention-group blocks held "
+                                "(trusted, in any tier: a block on GPU and CPU counts once), per worker rank.",
+                                labels=["worker", "dp_rank"])
         ratio = GaugeMetricFamily(
             "kvobserve_hybrid_resumable_ratio",
             "Of the attention group's blocks, the share where every window and state group of the worker can "
@@ -188,8 +190,10 @@ class ObserveCollector(Collector):
         pb = CounterMetricFamily(
             "kvobserve_prefix_blocks", "Blocks of queried chains a worker could reuse: by its attention group "
             "alone (rule=attention) and by the hybrid rule (rule=hybrid).", labels=["worker", "rule"])
+        listed_workers = {k.worker for k in keys}
         for (worker, rule), n in sorted(st.prefix_blocks.items()):
-            pb.add_metric([worker, rule], n)
+            if worker in listed_workers:
+                pb.add_metric([worker, rule], n)
         yield pb
 
 

@@ -10,6 +10,8 @@ from bridge.client.subscribe import DEFAULT_STREAM, StartAt, parse_since
 
 DEFAULT_PORT = 9410
 DEFAULT_SERVICE_SUBJECT = "kvobserve"
+DEFAULT_EXPIRE_AFTER = 3600.0
+DEFAULT_QUERY_CONCURRENCY = 1
 
 
 class ObserveOptions:
@@ -27,6 +29,8 @@ class ObserveOptions:
         self.hybrid_interval: float = 15.0
         self.hybrid_sample: int = 4096
         self.connect_timeout: float = 10.0
+        self.expire_after: float = DEFAULT_EXPIRE_AFTER
+        self.query_concurrency: int = DEFAULT_QUERY_CONCURRENCY
         # Bootstrap from the bridges' snapshots (core NATS), or `--since snapshot`.
         self.bootstrap: BootstrapOptions | None = BootstrapOptions()
         if args is not None:
@@ -42,6 +46,8 @@ class ObserveOptions:
             self.max_worker_series = args.max_worker_series
             self.hybrid_interval = args.hybrid_interval
             self.hybrid_sample = args.hybrid_sample
+            self.expire_after = args.expire_after
+            self.query_concurrency = args.query_concurrency
             self.bootstrap = bootstrap_options(args, getattr(args, "subject_prefix", None) or "kv")
         for key, value in overrides.items():
             if not hasattr(self, key):
@@ -49,6 +55,8 @@ class ObserveOptions:
             setattr(self, key, value)
         if self.max_worker_series < 1 or self.hybrid_sample < 1 or self.hybrid_interval <= 0:
             raise ValueError("--max-worker-series, --hybrid-sample and --hybrid-interval must be positive")
+        if self.expire_after <= 0 or self.query_concurrency < 1:
+            raise ValueError("--expire-after and --query-concurrency must be positive")
 
 
 def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +81,12 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Worker ranks listed in per-worker metric families (the cardinality bound).")
     parser.add_argument("--hybrid-interval", type=float, default=15.0,
                         help="Seconds between refreshes of the hybrid-effect figures.")
+    parser.add_argument("--expire-after", type=float, default=DEFAULT_EXPIRE_AFTER,
+                        help="Seconds after which a worker whose ranks are all stopped or dead is forgotten "
+                             f"(answers and metrics; default {DEFAULT_EXPIRE_AFTER:g}).")
+    parser.add_argument("--query-concurrency", type=int, default=DEFAULT_QUERY_CONCURRENCY,
+                        help="Prefix queries decoded and hashed at once; more wait "
+                             f"(default {DEFAULT_QUERY_CONCURRENCY}).")
     add_bootstrap_arguments(parser, by_default=True)
     parser.add_argument("--hybrid-sample", type=int, default=4096,
                         help="Attention blocks sampled per worker rank for the hybrid effect.")

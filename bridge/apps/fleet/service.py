@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import nats.js.errors
 import nats.micro
@@ -19,11 +20,16 @@ from bridge import __version__
 from bridge.apps.fleet.http import Response, serve_http
 from bridge.apps.fleet.metrics import HybridCache, make_registry, render
 from bridge.apps.fleet.options import ObserveOptions
-from bridge.apps.fleet.state import ObserveState, PrefixQuery, QueryError, hybrid_effect
+from bridge.apps.fleet.query import QueryError, decode_query, int_form, query_chain, usable_algos
+from bridge.apps.fleet.state import ObserveState, hybrid_effect, hybrid_steps
 from bridge.client.bootstrap import BootstrapOptions
 from bridge.client.connection import BusConnection
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.client.subscribe import BusMessage, BusSubscriber
+from bridge.contract import WorkerRecord
+from bridge.contract.snapshot import RankSnapshot
+from bridge.contract.subjects import parse_worker_token
+from bridge.residency.views import WorkerKey
 from bridge.runtime.access import NatsAccess
 from bridge.runtime.stopping import close_quietly
 
@@ -31,7 +37,8 @@ log = structlog.get_logger("bridge.apps.fleet")
 
 SERVICE_NAME = "kv-observe"
 _JSON = "application/json"
-_decoder = msgspec.json.Decoder(PrefixQuery)
+_OPEN_POLL_S = 0.01  # how often run() looks whether the bootstrap is applied
+LIVE_WITHIN_S = 10.0  # /healthz fails when the ticker has not run for this long
 
 
 def _json(obj: Any) -> bytes:
@@ -42,6 +49,10 @@ def _error(status: int, why: str) -> Response:
     return status, _JSON, _json({"error": why})
 
 
+async def _checkpoint() -> None:
+    await anyio.lowlevel.checkpoint()
+
+
 class ObserveService:
     def __init__(self, opts: ObserveOptions) -> None:
         self.opts = opts
@@ -49,72 +60,154 @@ class ObserveService:
         self.hybrid = HybridCache()
         self.registry = make_registry(self.state, self.hybrid, opts.max_worker_series)
         self.http_port: int | None = None
-        self.ready = anyio.Event()  # listening, connected, subscribed
+        self.ready = anyio.Event()  # listening, connected, subscribed and bootstrapped
         self._tick = time.monotonic()
         self.micro: nats.micro.service.Service | None = None
+        self.algos = usable_algos()
+        # Prefix queries decoded and hashed at once; the rest wait their turn.
+        self._queries = anyio.CapacityLimiter(opts.query_concurrency)
+        self._sub: BusSubscriber | None = None
+        self._fed = False  # the subscription ended
 
     # -- answers -----------------------------------------------------------
 
-    def answer_prefix(self, body: bytes, transport: str) -> Response:
+    async def answer_prefix(self, body: bytes, transport: str) -> Response:
+        """A prefix query's reply; never raises (an unexpected failure is a 500
+        with a JSON body, logged)."""
         try:
-            q = _decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.state.queries[(transport, "error")] += 1
-            return _error(400, f"bad query: {exc}")
-        try:
-            return 200, _JSON, _json(self.state.prefix(q, transport))
+            async with self._queries:
+                t0 = time.perf_counter()
+                q, tokens = await decode_query(body, _checkpoint)
+                chain = await query_chain(q, _checkpoint, self.algos, tokens)
+                ints = await int_form(chain, _checkpoint)
+                # The lookup runs in one go, on a view no message changes meanwhile.
+                if ints is not None and not self.state.index.fleet.holds_digests:
+                    chain = ints  # the same answer, without matching both forms block by block
+                answer = self.state.prefix(q, chain, transport, spent=time.perf_counter() - t0)
+            return 200, _JSON, _json(answer)
         except QueryError as exc:
+            self.state.queries[(transport, "error")] += 1
             return _error(400, str(exc))
+        except Exception:  # one bad query must not take the service down
+            log.exception("prefix_query_failed", transport=transport)
+            self.state.queries[(transport, "error")] += 1
+            return _error(500, "internal error")
 
     def live(self) -> bool:
-        return time.monotonic() - self._tick < 10.0
+        return time.monotonic() - self._tick < LIVE_WITHIN_S
+
+    def bootstrapped(self) -> bool:
+        """Every rank the subscription found is in the index, from its snapshot
+        or marked missing, with what was buffered meanwhile."""
+        return self._sub is not None and self._sub.opened
 
     def is_ready(self) -> bool:
-        return self.live() and self.state.nats_connected and self.state.subscribed
+        return self.live() and self.state.nats_connected and self.state.subscribed and self.bootstrapped()
 
     async def route(self, method: str, path: str, body: bytes) -> Response:
+        try:
+            return await self._route(method, path, body)
+        except Exception:  # one bad request must not take the server down
+            log.exception("http_handler_failed", path=path)
+            return _error(500, "internal error")
+
+    async def _route(self, method: str, path: str, body: bytes) -> Response:
+        if path in ("/v1/prefix", "/v1/workers") and not self.bootstrapped():
+            return _error(503, "not ready: bootstrapping")
         if path == "/v1/prefix":
             if method != "POST":
                 return _error(405, "POST a JSON query")
-            return self.answer_prefix(body, "http")
+            return await self.answer_prefix(body, "http")
         if method != "GET":
-            return 405, "text/plain", b"GET only\n"
+            return _error(405, "GET only")
         if path == "/metrics":
             return 200, "text/plain; version=0.0.4; charset=utf-8", render(self.registry)
         if path == "/v1/workers":
             return 200, _JSON, _json(self.state.workers())
         if path == "/healthz":
-            return (200, "text/plain", b"ok\n") if self.live() else (503, "text/plain", b"stalled\n")
+            return (200, "text/plain", b"ok\n") if self.live() else _error(503, "stalled")
         if path == "/readyz":
             if self.is_ready():
                 return 200, "text/plain", b"ready\n"
-            why = f"nats_connected={self.state.nats_connected} subscribed={self.state.subscribed}\n"
-            return 503, "text/plain", why.encode()
-        return 404, "text/plain", b"not found\n"
+            return 503, _JSON, _json({"error": "not ready", "live": self.live(),
+                                      "nats_connected": self.state.nats_connected,
+                                      "subscribed": self.state.subscribed, "bootstrapped": self.bootstrapped()})
+        return _error(404, "not found")
 
     # -- tasks -------------------------------------------------------------
 
     async def _feed(self, sub: BusSubscriber) -> None:
-        index = self.state.index
+        try:
+            await self._apply_all(sub)
+        finally:
+            self._fed = True
+
+    async def _apply_all(self, sub: BusSubscriber) -> None:
+        state = self.state
+        index = state.index
         async for item in sub:
+            kind = type(item)
+            if state.expired:
+                self._back_from_expiry(item)
             index.apply(item)
-            if type(item) is BusMessage:
-                self.state.bus_messages += 1
-            self.state.undecodable = sub.undecodable
+            if kind is BusMessage:
+                state.bus_messages += 1
+            elif kind is RankSnapshot:
+                snap: RankSnapshot = item  # type: ignore[assignment]
+                # Staleness counts from the snapshot's last batch (vLLM's clock), or its own time.
+                state.snapshot_at[WorkerKey(snap.worker, snap.dp_rank)] = snap.last_ts or snap.taken_at
+            state.undecodable = sub.undecodable
+
+    def _back_from_expiry(self, item: object) -> None:
+        """A rank forgotten on expiry that speaks again: with a record that
+        resets it, it starts afresh; otherwise its view lacks its past and is
+        partial (stale) until such a record. The rank is the subject's."""
+        if type(item) is not BusMessage:
+            return
+        try:
+            worker, rank = parse_worker_token(item.subject.rsplit(".", 2)[-2])
+        except (ValueError, IndexError):
+            return
+        key = WorkerKey(worker, rank)
+        if self.state.expired.pop(key, None) is None:
+            return
+        body = item.body
+        resets = type(body) is WorkerRecord and body.type in ("start", "restart")
+        if not resets:
+            self.state.index.missing(worker, rank)
 
     async def _ticker(self, conn: BusConnection) -> None:
         while True:
             self._tick = time.monotonic()
             nc = conn.nc
             self.state.nats_connected = nc is not None and nc.is_connected
-            if time.time() - self.hybrid.updated >= self.opts.hybrid_interval:
-                self.refresh_hybrid()
+            now = time.time()
+            for worker in self.state.expire(now, self.opts.expire_after):
+                log.info("worker_expired", worker=worker, after_s=self.opts.expire_after)
+            if now - self.hybrid.updated >= self.opts.hybrid_interval:
+                await self.refresh_hybrid_async()
             await anyio.sleep(0.5)
 
     def refresh_hybrid(self) -> None:
         values = {}
         for view in self.state.index:
             values[(view.key.worker, view.key.dp_rank)] = hybrid_effect(view, self.opts.hybrid_sample)
+        self.hybrid.values = values
+        self.hybrid.updated = time.time()
+
+    async def refresh_hybrid_async(self) -> None:
+        """refresh_hybrid, a checkpoint after every 256 sampled blocks."""
+        values = {}
+        for view in self.state.index:
+            steps = hybrid_steps(view, self.opts.hybrid_sample)
+            while self.state.index.views.get(view.key) is view:  # not forgotten meanwhile
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    values[(view.key.worker, view.key.dp_rank)] = done.value
+                    break
+                await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
         self.hybrid.values = values
         self.hybrid.updated = time.time()
 
@@ -133,11 +226,17 @@ class ObserveService:
                 await req.respond(out)
 
         async def prefix(req: Request) -> None:
-            status, _, out = self.answer_prefix(req.data, "nats")
+            status, _, out = await self.answer_prefix(req.data, "nats")
             await send(req, status, out)
 
         async def workers(req: Request) -> None:
-            await send(req, 200, _json(self.state.workers()))
+            try:
+                out = _json(self.state.workers())
+            except Exception:  # the error reply carries a body like every other
+                log.exception("workers_query_failed", transport="nats")
+                await send(req, 500, _json({"error": "internal error"}))
+                return
+            await send(req, 200, out)
 
         version = __version__ if __version__[0].isdigit() and "+" not in __version__ else "0.0.0"
         self.micro = await nats.micro.add_service(
@@ -175,14 +274,20 @@ class ObserveService:
             try:
                 async with BusSubscriber(conn, subject, since=opts.since, stream=opts.stream,
                                          bootstrap=self._bootstrap(settings)) as sub:
+                    self._sub = sub
                     self.state.subscribed = True
-                    if opts.serve_nats:
-                        await self._serve_nats(nc)
-                    self.ready.set()
-                    task_status.started(self.http_port)
-                    log.info("observe_ready", http_port=self.http_port, subject=subject)
                     try:
-                        await self._feed(sub)
+                        async with anyio.create_task_group() as feeding:
+                            feeding.start_soon(self._feed, sub)
+                            # Ready (and answering) once what the subscription found is applied.
+                            while not self.bootstrapped() and not self._fed:
+                                await anyio.sleep(_OPEN_POLL_S)
+                            if opts.serve_nats:
+                                await self._serve_nats(nc)
+                            self.ready.set()
+                            task_status.started(self.http_port)
+                            log.info("observe_ready", http_port=self.http_port, subject=subject,
+                                     ranks=len(self.state.index.views))
                     finally:
                         self.state.subscribed = False
                         if self.micro is not None:

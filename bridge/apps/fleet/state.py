@@ -6,80 +6,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Generator
 from typing import Any
 
-import msgspec
-
-from bridge.client.chain import ALGOS, ChainHasher
+from bridge.apps.fleet.query import MAX_CHAIN, PrefixQuery, QueryError
 from bridge.client.registry import RegistryFollower
 from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
 from bridge.residency.index import ResidencyIndex
-from bridge.residency.views import WorkerView
+from bridge.residency.views import GroupResidency, WorkerKey, WorkerView
 
-MAX_CHAIN = 65_536  # blocks in one query (a 1M-token prompt at block size 16)
-MAX_TOKENS = MAX_CHAIN * 64
-DEFAULT_LIMIT = 16
+__all__ = ["MAX_CHAIN", "ObserveState", "PrefixQuery", "QueryError", "hybrid_effect"]
 
-
-class QueryError(ValueError):
-    """A query the service cannot answer: the caller's fault (HTTP 400)."""
-
-
-class PrefixQuery(msgspec.Struct, forbid_unknown_fields=True):
-    """`POST /v1/prefix` and the `prefix` NATS endpoint. Either `chain` (block
-    hashes in order: ints, or hex strings of vLLM's digests) or `token_ids`
-    with `block_size` (and the engine's hashing options) to compute it."""
-
-    chain: list[int | str] | None = None
-    token_ids: list[int] | None = None
-    block_size: int | None = None
-    algo: str = "sha256"
-    seed: str | None = None
-    lora: tuple[str, str] | None = None
-    cache_salt: str | None = None
-    media: list[str] | None = None
-    include_suspect: bool = False
-    include_dead: bool = False
-    min_blocks: int = 1
-    limit: int = DEFAULT_LIMIT
-
-
-def _hash_of(value: int | str) -> BlockHash:
-    if type(value) is int:
-        if value < 0:
-            raise QueryError("a block hash as int must not be negative")
-        return value
-    text = str(value)
-    if text.startswith(("0x", "0X")):
-        text = text[2:]
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise QueryError(f"not a hex block hash: {value!r}") from None
-
-
-def query_chain(q: PrefixQuery) -> list[BlockHash]:
-    if (q.chain is None) == (q.token_ids is None):
-        raise QueryError("give exactly one of 'chain' and 'token_ids'")
-    if q.chain is not None:
-        if len(q.chain) > MAX_CHAIN:
-            raise QueryError(f"chain longer than {MAX_CHAIN} blocks")
-        return [_hash_of(v) for v in q.chain]
-    assert q.token_ids is not None
-    if not q.block_size or q.block_size <= 0:
-        raise QueryError("'token_ids' needs a positive 'block_size'")
-    if len(q.token_ids) > MAX_TOKENS:
-        raise QueryError(f"more than {MAX_TOKENS} token ids")
-    if q.algo not in ALGOS:
-        raise QueryError(f"unknown algo {q.algo!r} (one of {', '.join(ALGOS)})")
-    try:
-        hasher = ChainHasher(q.block_size, algo=q.algo, seed=q.seed)
-    except ValueError as exc:
-        raise QueryError(str(exc)) from None
-    out: list[BlockHash] = list(hasher.chain(q.token_ids, lora=q.lora, cache_salt=q.cache_salt))
-    return out
-
+# Ranks forgotten on expiry that the service still remembers, so one that
+# speaks again without a record that resets it comes back partial.
+MAX_EXPIRED_REMEMBERED = 65_536
 
 class ObserveState:
     """The index and the registry of one observe process, and its query counters."""
@@ -96,6 +36,12 @@ class ObserveState:
         self.query_seconds: dict[str, list[float]] = {}  # transport → [sum, count]
         # Per worker: blocks the attention group alone allowed, and the hybrid answer (queries answered).
         self.prefix_blocks: Counter[tuple[str, str]] = Counter()
+        # Per rank: when a bootstrap snapshot was taken, for staleness while no message came since.
+        self.snapshot_at: dict[WorkerKey, float] = {}
+        # Per worker: since when every rank of it is stopped or dead (expiry).
+        self.gone_since: dict[str, float] = {}
+        self.expired: dict[WorkerKey, float] = {}  # insertion-ordered: the oldest go first
+        self.expired_total = 0
 
     # -- liveness --------------------------------------------------------
 
@@ -104,6 +50,56 @@ class ObserveState:
         if status is not None:
             return status
         return "watching" if view.watching else "stopped"
+
+    def last_heard(self, view: WorkerView) -> float | None:
+        """This process's clock at the rank's last message; for a view that came
+        from a snapshot and heard nothing since, the snapshot's last batch time
+        (vLLM's ts), else the snapshot's time. None: nothing known."""
+        if view.last_received:
+            return view.last_received
+        return self.snapshot_at.get(view.key)
+
+    def staleness(self, view: WorkerView, now: float) -> float | None:
+        heard = self.last_heard(view)
+        return None if heard is None else round(max(0.0, now - heard), 3)
+
+    # -- expiry ----------------------------------------------------------
+
+    def expire(self, now: float, after: float) -> list[str]:
+        """Forget every worker whose ranks have all been stopped or dead for
+        `after` seconds: its views, its per-worker counters. Returns them."""
+        by_worker: dict[str, bool] = {}
+        for view in self.index:
+            gone = self.liveness(view, now) in ("stopped", "dead")
+            by_worker[view.key.worker] = by_worker.get(view.key.worker, True) and gone
+        for worker in [w for w in self.gone_since if w not in by_worker]:
+            del self.gone_since[worker]
+        for key in [k for k in self.prefix_blocks if k[0] not in by_worker]:
+            del self.prefix_blocks[key]  # its views went (forgotten): so do its series
+        out = []
+        for worker, gone in by_worker.items():
+            if not gone:
+                self.gone_since.pop(worker, None)
+                continue
+            since = self.gone_since.setdefault(worker, now)
+            if now - since >= after:
+                out.append(worker)
+        for worker in out:
+            self.forget(worker, now)
+        return out
+
+    def forget(self, worker: str, now: float) -> None:
+        for view in self.index:
+            if view.key.worker == worker:
+                self.expired[view.key] = now
+                self.snapshot_at.pop(view.key, None)
+        self.index.forget(worker)
+        self.gone_since.pop(worker, None)
+        for rule in ("attention", "hybrid"):
+            self.prefix_blocks.pop((worker, rule), None)
+        self.expired_total += 1
+        while len(self.expired) > MAX_EXPIRED_REMEMBERED:
+            del self.expired[next(iter(self.expired))]
 
     # -- the queries -----------------------------------------------------
 
@@ -123,43 +119,46 @@ class ObserveState:
             out.append({
                 "worker": view.key.worker, "dp_rank": view.key.dp_rank, "epoch": view.epoch,
                 "liveness": self.liveness(view, now), "watching": view.watching, "stale": view.stale,
-                "staleness_s": None if not view.last_received else round(max(0.0, now - view.last_received), 3),
+                "staleness_s": self.staleness(view, now),
                 "lag_s": None if view.lag is None else round(view.lag, 6),
                 "last_seq": view.last_seq, "gaps": view.gaps, "restarts": view.restarts, "clears": view.clears,
                 "groups": groups,
             })
         return {"workers": out, "interruptions": self.index.interruptions, "ts": now}
 
-    def prefix(self, q: PrefixQuery, transport: str, now: float | None = None) -> dict[str, Any]:
+    def prefix(self, q: PrefixQuery, chain: list[BlockHash], transport: str, now: float | None = None,
+               spent: float = 0.0) -> dict[str, Any]:
+        """The answer to `q`, whose chain (`query.query_chain`) is `chain`;
+        `spent`: seconds already spent on it (decoding, hashing)."""
         t0 = time.perf_counter()
-        try:
-            chain = query_chain(q)
-        except QueryError:
-            self.queries[(transport, "error")] += 1
-            raise
         now = time.time() if now is None else now
         skip = self.follower.dead(now) if (self.follower is not None and not q.include_dead) else set()
+        # Stopped ranks are left out like dead ones, unless asked for.
         matches = self.index.longest_prefix(chain, media=q.media, include_suspect=q.include_suspect,
-                                            skip_workers=skip)
+                                            include_unwatched=q.include_dead, skip_workers=skip)
         workers: list[dict[str, Any]] = []
+        enough = max(q.min_blocks, 1)
+        chosen = []
         for m in matches:
             view = self.index.view(m.worker, m.dp_rank)
             attention = self._attention_limit(view, m.limits)
             if attention:
                 self.prefix_blocks[(m.worker, "attention")] += attention
                 self.prefix_blocks[(m.worker, "hybrid")] += m.blocks
-            if m.blocks < max(q.min_blocks, 1) or len(workers) >= max(q.limit, 0):
-                continue
+            if m.blocks >= enough:
+                chosen.append((m, view))
+        # Deepest first; ties in worker order, whatever order the index met them in.
+        chosen.sort(key=lambda mv: (-mv[0].blocks, mv[0].worker, mv[0].dp_rank))
+        for m, view in chosen[:max(q.limit, 0)]:
             workers.append({
                 "worker": m.worker, "dp_rank": m.dp_rank, "blocks": m.blocks, "stale": m.stale,
                 "liveness": self.liveness(view, now) if view is not None else "?",
-                "staleness_s": None if view is None or not view.last_received
-                else round(max(0.0, now - view.last_received), 3),
+                "staleness_s": None if view is None else self.staleness(view, now),
                 "limits": {str(k): v for k, v in sorted(m.limits.items())},
             })
         self.queries[(transport, "hit" if workers else "miss")] += 1
         acc = self.query_seconds.setdefault(transport, [0.0, 0])
-        acc[0] += time.perf_counter() - t0
+        acc[0] += time.perf_counter() - t0 + spent
         acc[1] += 1
         return {"chain_blocks": len(chain), "workers": workers}
 
@@ -174,40 +173,78 @@ class ObserveState:
 
 def hybrid_effect(view: WorkerView, sample: int) -> tuple[int, int, int]:
     """(attention blocks held, of them sampled, of the sample those where every
-    window and state group of the worker can resume too), on the GPU tier's
-    trusted entries. A block is resumable when each window group holds it and
-    each state group has a checkpoint at it: the hybrid rule at the block
-    after it (window groups need more than that block, so this is an upper
-    bound). Costs `sample` lookups per other group, whatever the fleet size."""
+    window and state group of the worker can resume too), on the attention
+    group's trusted entries (a block in two tiers counted once). A block is
+    resumable when each window group holds it and each state group has a
+    checkpoint at it: the hybrid rule at the block after it (window groups
+    need more than that block, so this is an upper bound). Costs `sample`
+    lookups per other group, whatever the fleet size."""
+    steps = hybrid_steps(view, sample)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def hybrid_steps(view: WorkerView, sample: int, every: int = 256) -> Generator[None, None, tuple[int, int, int]]:
+    """`hybrid_effect` a slice at a time: it yields after every `every`
+    sampled blocks (the caller may let others run) and returns the figures.
+    What changes between slices changes the sample, not its bounds."""
     attention = [g for g in view.groups.values() if g.family == ATTENTION]
-    others = [g for g in view.groups.values() if g.family in (WINDOW, STATE)]
+    others = [(g, sorted(g.media())) for g in view.groups.values() if g.family in (WINDOW, STATE)]
     if not attention:
         return 0, 0, 0
     att = attention[0]
-    held = sum(att.resident(m) for m in att.media())
+    held = yield from distinct_held_steps(att)
     if not held:
         return 0, 0, 0
     taken = 0
     ok = 0
-    for medium in att.media():
-        table = att.trusted.get(medium)
-        if table is None:
-            continue
-        for h in _first(table, sample - taken):
+    seen: set[BlockHash] = set()  # a block in two tiers is sampled once
+    for medium in sorted(att.media()):
+        # At most len(seen) of them were sampled in an earlier tier already.
+        for h in att.sample(medium, sample - taken + len(seen)):
+            if h in seen:
+                continue
+            seen.add(h)
             taken += 1
-            if all(any(g.count(m, h) for m in g.media()) for g in others):
+            if all(any(g.count(m, h) for m in media) for g, media in others):
                 ok += 1
+            if taken >= sample:
+                break
+            if taken % every == 0:
+                yield
         if taken >= sample:
             break
     return held, taken, ok
 
 
-def _first(table: Any, n: int) -> Sequence[BlockHash]:
-    out: list[BlockHash] = []
-    if n <= 0:
-        return out
-    for h in table:
-        out.append(h)
-        if len(out) >= n:
-            break
-    return out
+def distinct_held(g: GroupResidency) -> int:
+    """Distinct trusted hashes of a group over every tier: a block held on
+    GPU and CPU counts once."""
+    steps = distinct_held_steps(g)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def distinct_held_steps(g: GroupResidency, every: int = 4096) -> Generator[None, None, int]:
+    """`distinct_held` a slice at a time (a yield every `every` entries): a
+    lookup per entry of every tier but the largest."""
+    media = sorted(g.media(), key=g.resident)
+    if len(media) <= 1:
+        return g.resident(media[0]) if media else 0
+    largest = media[-1]
+    seen: set[BlockHash] = set()
+    n = 0
+    for medium in media[:-1]:
+        for h in g.trusted[medium]:
+            if h not in seen and not g.count(largest, h):
+                seen.add(h)
+            n += 1
+            if n % every == 0:
+                yield
+    return g.resident(largest) + len(seen)
