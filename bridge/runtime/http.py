@@ -7,6 +7,7 @@ surface."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,12 +39,18 @@ class Limits:
     """The whole exchange, reading to sending; past it the connection closes."""
 
 
+def error_response(status: int, why: str) -> Response:
+    """An error the server answers itself, as every error of the programs'
+    endpoints is: a JSON body `{"error": why}`."""
+    return (status, "application/json", json.dumps({"error": why}).encode())
+
+
 class _Refused(Exception):
     """A request answered without reaching the handler."""
 
     def __init__(self, status: int, why: str) -> None:
         super().__init__(why)
-        self.response: Response = (status, "text/plain", f"{why}\n".encode())
+        self.response: Response = error_response(status, why)
 
 
 async def _read_request(stream: anyio.abc.SocketStream, limits: Limits) -> tuple[str, str, bytes]:
@@ -108,7 +115,7 @@ async def serve_http(
                         response = await handler(method, path, body)
                     except Exception:  # one bad request must not take the server down
                         log.exception("http_handler_failed", path=path)
-                        response = (500, "text/plain", b"internal error\n")
+                        response = error_response(500, "internal error")
                     await stream.send(_encode(response))
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, TimeoutError, OSError):
                 pass

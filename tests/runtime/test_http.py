@@ -5,6 +5,8 @@ bounded (head, body, chunked bodies refused), and a failing handler answers
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import pytest
 
@@ -43,14 +45,21 @@ async def test_request_reaches_the_handler_and_bounds_hold() -> None:
         assert await _exchange(port, b"POST /p?q=1 HTTP/1.1\r\nContent-Length: 4096\r\n\r\n" + body) == (
             200, b"POST /p 4096|" + body)
         assert await _exchange(port, b"GET /g HTTP/1.1\r\n\r\n") == (200, b"GET /g 0|")
-        # body past the bound: refused before reading it
-        assert (await _exchange(port, b"POST /p HTTP/1.1\r\nContent-Length: 4097\r\n\r\n"))[0] == 413
-        # head past the bound, with or without its end
-        assert (await _exchange(port, b"GET / HTTP/1.1\r\nX: " + b"a" * 2048 + b"\r\n\r\n"))[0] == 413
-        assert (await _exchange(port, b"GET / HTTP/1.1\r\nX: " + b"a" * 70000))[0] == 413
-        assert (await _exchange(port, b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"))[0] == 411
-        assert (await _exchange(port, b"POST /p HTTP/1.1\r\nContent-Length: x\r\n\r\n"))[0] == 400
-        assert (await _exchange(port, b"NONSENSE\r\n\r\n"))[0] == 400
-        assert await _exchange(port, b"GET /boom HTTP/1.1\r\n\r\n") == (500, b"internal error\n")
+        # body past the bound: refused before reading it; every refusal a JSON error body
+        refusals = [
+            (b"POST /p HTTP/1.1\r\nContent-Length: 4097\r\n\r\n", 413),
+            # head past the bound, with or without its end
+            (b"GET / HTTP/1.1\r\nX: " + b"a" * 2048 + b"\r\n\r\n", 413),
+            (b"GET / HTTP/1.1\r\nX: " + b"a" * 70000, 413),
+            (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+            (b"POST /p HTTP/1.1\r\nContent-Length: x\r\n\r\n", 400),
+            (b"NONSENSE\r\n\r\n", 400),
+            (b"GET /boom HTTP/1.1\r\n\r\n", 500),
+        ]
+        for request, status in refusals:
+            got, body = await _exchange(port, request)
+            assert got == status, request[:40]
+            assert isinstance(json.loads(body)["error"], str), body
+        assert await _exchange(port, b"GET /boom HTTP/1.1\r\n\r\n") == (500, b'{"error": "internal error"}')
         assert (await _exchange(port, b"GET /after HTTP/1.1\r\n\r\n"))[0] == 200
         tg.cancel_scope.cancel()
