@@ -40,7 +40,22 @@ class QueryError(ValueError):
     """A query the service cannot answer: the caller's fault (HTTP 400)."""
 
 
-class PrefixQuery(msgspec.Struct, forbid_unknown_fields=True):
+class QueryOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Everything a prefix query says besides its chain or token ids."""
+
+    block_size: BlockSize | None = None
+    algo: str = "sha256"
+    seed: str | None = None
+    lora: tuple[str, str] | None = None
+    cache_salt: str | None = None
+    media: list[str] | None = None
+    include_suspect: bool = False
+    include_dead: bool = False
+    min_blocks: U64 = 1
+    limit: U64 = DEFAULT_LIMIT
+
+
+class PrefixQuery(QueryOptions):
     """`POST /v1/prefix` and the `prefix` NATS endpoint. Either `chain` (block
     hashes in order: ints, or hex strings of vLLM's digests) or `token_ids`
     with `block_size` (and the engine's hashing options) to compute it.
@@ -48,33 +63,13 @@ class PrefixQuery(msgspec.Struct, forbid_unknown_fields=True):
 
     chain: list[U64 | str] | None = None
     token_ids: list[U64] | None = None
-    block_size: BlockSize | None = None
-    algo: str = "sha256"
-    seed: str | None = None
-    lora: tuple[str, str] | None = None
-    cache_salt: str | None = None
-    media: list[str] | None = None
-    include_suspect: bool = False
-    include_dead: bool = False
-    min_blocks: U64 = 1
-    limit: U64 = DEFAULT_LIMIT
 
 
-class _Head(msgspec.Struct, forbid_unknown_fields=True):
+class _Head(QueryOptions):
     """A PrefixQuery with its long arrays left undecoded."""
 
     chain: msgspec.Raw = msgspec.Raw()
     token_ids: msgspec.Raw = msgspec.Raw()
-    block_size: BlockSize | None = None
-    algo: str = "sha256"
-    seed: str | None = None
-    lora: tuple[str, str] | None = None
-    cache_salt: str | None = None
-    media: list[str] | None = None
-    include_suspect: bool = False
-    include_dead: bool = False
-    min_blocks: U64 = 1
-    limit: U64 = DEFAULT_LIMIT
 
 
 _head = msgspec.json.Decoder(_Head)
@@ -152,7 +147,7 @@ async def decode_query(body: bytes, checkpoint: Checkpoint) -> tuple[PrefixQuery
 
     tokens = array("Q")
     has_tokens = await _array(bytes(head.token_ids), "token_ids", _token_items, tokens, too_many_tokens, checkpoint)
-    fields = {f: getattr(head, f) for f in head.__struct_fields__ if f not in ("chain", "token_ids")}
+    fields = {f: getattr(head, f) for f in QueryOptions.__struct_fields__}
     _check_range(head.block_size, head.min_blocks, head.limit)
     return PrefixQuery(chain=chain if has_chain else None, token_ids=[] if has_tokens else None,
                        **fields), (tokens if has_tokens else None)
