@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from bridge import __version__
-from bridge.producer.config import ConfigError, Settings, add_run_arguments, load_settings
-from bridge.runtime.logging import configure_logging
+
+if TYPE_CHECKING:
+    from bridge.producer.config import Settings
+
+# The commands' modules (NATS, anyio, msgspec, rich, ...) are imported only
+# inside main(), after a signal already means "stop": a Ctrl-C or SIGTERM
+# while they load ends the process quietly with status 0, as it would a
+# moment later, once the command takes signals itself.
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    from bridge.producer.config import ConfigError, load_settings
+
     try:
         return load_settings(args, os.environ)
     except ConfigError as exc:
@@ -22,6 +34,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from bridge.producer.service import run_bridge
+    from bridge.runtime.logging import configure_logging
 
     settings = _settings(args)
     configure_logging(settings.log_format, settings.log_level)
@@ -32,6 +45,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import anyio
 
     from bridge.apps.demo.run import run_demo
+    from bridge.runtime.logging import configure_logging
 
     settings = _settings(args)
     configure_logging(settings.log_format if args.log_format else "console", settings.log_level if args.log_level else "warning")
@@ -43,6 +57,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from bridge.producer.config import add_run_arguments
+
     parser = argparse.ArgumentParser(prog="kv-bridge", description=__doc__, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"kv-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,7 +92,28 @@ def _tool_registrars() -> list:  # type: ignore[type-arg]
     return commands.REGISTRARS
 
 
+def _stop_quietly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+@contextmanager
+def _quiet_signals() -> Iterator[None]:
+    """Until a command takes SIGINT and SIGTERM itself (anyio's signal
+    receivers), they end the process with status 0; the previous handlers
+    come back after, for a caller that runs main() in its own process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _stop_quietly) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    with _quiet_signals():
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return int(args.func(args))
