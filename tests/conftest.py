@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 
 from bridge.runtime.nats_server import NatsServerProcess, nats_server_available
@@ -109,6 +110,15 @@ def _no_process_in_the_fast_loop(request: pytest.FixtureRequest, monkeypatch: py
                              "mark it `process`: teach the reader the helper that starts it")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found() -> Iterator[None]:
+    """A test that runs a command's main() in this process configures
+    structlog as the command does (a level, a renderer): the next test starts
+    from structlog's defaults again, as every test did before it."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture

@@ -38,11 +38,13 @@ def _configure_logging() -> None:
 
     import structlog
 
+    from bridge.runtime.logging import stderr_logger
+
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
                     structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=stderr_logger,
     )
 
 
