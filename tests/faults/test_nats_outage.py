@@ -143,7 +143,9 @@ async def _freeze(server: NatsServerProcess, name: str, **bound: str):  # type: 
     await capture_stream(server.url)
     pub_ep, replay_ep = endpoints()
     pub = WirePublisher(_bind(pub_ep), _bind(replay_ep))
-    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[server.url], **bound)
+    # relayed whole: the padding is token ids, which --prompt-data redact would shrink to 1 byte each
+    settings = make_settings(zmq_endpoint=[pub_ep], replay_endpoint=[replay_ep], nats_url=[server.url],
+                             prompt_data="relay", **bound)
     # ~60 kB per batch, 400 a second: 600 batches are 36 MB, far beyond nats-py's
     # 8 MB pending buffer plus the loopback socket buffers
     pad, frozen_batches = 20_000, 600 * (3 if soak() else 1)
