@@ -6,10 +6,12 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from bridge.producer.sink.acks import AckWindow, ack_error, ack_seq, take_acks
+from bridge.producer.sink.ack_errors import NoLeader, NoResponders, NotAPubAck, StreamRefused, ack_error
+from bridge.producer.sink.acks import AckWindow, Settled, Trouble, ack_seq, take_acks
 from bridge.producer.sink.encode import Outgoing
 from bridge.producer.sink.nats_fastpath import BridgeClient
 from bridge.producer.sink.queue import OutBatch
+from bridge.producer.sink.reorder import reordered_runs
 
 PREFIX = b"MSG _INBOX.abc."
 
@@ -27,9 +29,15 @@ def test_ack_error_tells_pubacks_from_refusals() -> None:
     assert ack_error(b'{"stream":"KV_EVENTS","seq":12}', None) is None
     assert ack_error(b'{"stream":"KV_EVENTS","seq":12,"duplicate":true}', None) is None
     refused = ack_error(b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}', None)
-    assert refused is not None and "maximum messages exceeded" in refused
-    assert ack_error(b"", b"NATS/1.0 503\r\n\r\n") == "status 503"
-    assert ack_error(b"garbage", None) == "not a PubAck"
+    assert isinstance(refused, StreamRefused) and "maximum messages exceeded" in str(refused)
+    assert refused.err_code == 10077 and refused.counts
+    status = ack_error(b"", b"NATS/1.0 503\r\n\r\n")
+    assert isinstance(status, NoResponders) and str(status) == "status 503"
+    garbage = ack_error(b"garbage", None)
+    assert isinstance(garbage, NotAPubAck) and str(garbage) == "not a PubAck"
+    leaderless = ack_error(b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}',
+                           None)
+    assert isinstance(leaderless, NoLeader) and not leaderless.counts
 
 
 def _batch(seq: int, stream: int = 0) -> OutBatch:
@@ -53,9 +61,9 @@ def test_acks_settle_by_token_in_any_order_and_an_error_reply_keeps_the_message(
     replies = [win.reply_to(_msg(i), generation=0, now=0.0, origin=batch if i == 0 else None) for i in range(4)]
     assert replies == [f"_INBOX.abc.{i}" for i in range(4)] and len(win) == 4
     win.on_ack(b"_INBOX.abc.0", b'{"error":{"code":500,"description":"boom"}}', None)
-    assert win.trouble and len(win) == 4
+    assert win.trouble is Trouble.REFUSED and len(win) == 4
     head = win.head()
-    assert head is not None and head[0] == 0 and "boom" in head[1].error and head[1].origin is batch
+    assert head is not None and head[0] == 0 and "boom" in str(head[1].error) and head[1].origin is batch
     win.on_ack(b"_INBOX.abc.2", b'{"stream":"S","seq":1}', None)
     win.on_ack(b"_INBOX.abc.0", b'{"stream":"S","seq":2}', None)  # a later copy's ack settles it
     win.on_ack(b"_INBOX.abc.0", b'{"stream":"S","seq":2}', None)  # a late duplicate ack: ignored
@@ -69,7 +77,7 @@ def test_in_order_acks_raise_no_trouble_and_keep_no_records() -> None:
         win.reply_to(_msg(i), 0, 0.0, _batch(i))
     for i in range(100):
         win.on_ack(*_pub(i, 1000 + i))
-    assert not win.trouble and not win.reordered and not win._ahead and not win._resent  # noqa: SLF001
+    assert win.trouble is None and not win.reordered and not win._ahead and not win._resent  # noqa: SLF001
     assert win.head() is None and len(win) == 0
 
 
@@ -78,7 +86,7 @@ def test_an_ack_that_overtakes_an_older_unacked_one_is_trouble() -> None:
     for i in range(3):
         win.reply_to(_msg(i), 0, 0.0, _batch(i))
     win.on_ack(*_pub(1, 10))
-    assert win.trouble == "an ack overtook an older unacked message"
+    assert win.trouble is Trouble.OVERTAKEN
 
 
 def test_a_copy_sent_again_keeps_its_token_and_place() -> None:
@@ -93,7 +101,7 @@ def test_a_copy_sent_again_keeps_its_token_and_place() -> None:
     assert head is not None and head[1].wire == before and head[1].generation == 1 and head[1].resends == 1
     # the original of 1 acked after the copy of 0 went out: not evidence of a loss
     win.on_ack(*_pub(1, 10))
-    assert not win.trouble
+    assert win.trouble is None
 
 
 def test_a_lost_message_stored_again_after_newer_ones_is_reordered() -> None:
@@ -105,7 +113,7 @@ def test_a_lost_message_stored_again_after_newer_ones_is_reordered() -> None:
         win.reply_to(_msg(i), 0, 0.0, batches[i])
     win.on_ack(*_pub(2, 100))
     win.on_ack(*_pub(3, 101))
-    assert win.trouble
+    assert win.trouble is Trouble.OVERTAKEN
     win.resend([0, 1], 0, 1.0)
     win.on_ack(*_pub(0, 102))
     win.on_ack(*_pub(1, 103))
@@ -166,10 +174,10 @@ async def test_wait_settled_tells_stored_refused_and_silent_apart() -> None:
         win.reply_to(_msg(i), 0, 0.0)
     async with anyio.create_task_group() as tg:
         tg.start_soon(_acks_after, win, 0.02, [0])
-        assert await win.wait_settled(0, 5.0) == "settled"
+        assert await win.wait_settled(0, 5.0) is Settled.STORED
     win.on_ack(b"_I.1", b'{"error":{"code":503,"err_code":10008,"description":"x"}}', None)
-    assert await win.wait_settled(1, 5.0) == "error"
-    assert await win.wait_settled(2, 0.05) == "timeout"
+    assert await win.wait_settled(1, 5.0) is Settled.REFUSED
+    assert await win.wait_settled(2, 0.05) is Settled.TIMEOUT
 
 
 def test_give_up_takes_a_message_out_for_good() -> None:
@@ -190,7 +198,7 @@ def test_forget_since_drops_a_write_that_never_left() -> None:
     win.forget_since(first)
     assert len(win) == 1
     win.on_ack(b"_I.0", b'{"stream":"S","seq":1}', None)
-    assert len(win) == 0 and not win.trouble
+    assert len(win) == 0 and win.trouble is None
 
 
 def test_the_window_counts_its_bytes_and_waits_for_room_by_bytes() -> None:
@@ -291,7 +299,7 @@ def test_a_lost_acks_copy_is_handed_over_in_its_stream_place() -> None:
         win.reply_to(_msg(i), 0, 0.0, _batch(i))
     win.on_ack(*_pub(1, 11))
     win.on_ack(*_pub(2, 12))
-    assert win.trouble and seen == []  # held: something older may be stored before them
+    assert win.trouble is Trouble.OVERTAKEN and seen == []  # held: something older may be stored before them
     win.resend([0], 1, 1.0)
     win.on_ack(*_pub(0, 10, duplicate=True))
     assert seen == ["0", "1", "2"]
@@ -323,3 +331,41 @@ def test_held_messages_go_when_the_older_one_is_given_up() -> None:
     assert seen == []
     win.give_up(0)  # refused for good: never stored
     assert seen == ["1", "2"]
+
+
+def test_reordered_batches_coalesce_into_runs_per_rank_and_epoch() -> None:
+    batches = [_batch(s) for s in (7, 5, 6, 6, 9)] + [_batch(3, stream=1)]
+    assert [(r.stream, r.epoch, r.first, r.last) for r in reordered_runs(batches)] == [
+        (0, 7, 5, 7), (0, 7, 9, 9), (1, 7, 3, 3),
+    ]
+
+
+def test_core_mode_names_only_what_no_answered_ping_covers() -> None:
+    from bridge.producer.sink.confirm import Unconfirmed
+
+    written = Unconfirmed()
+    written.note([_batch(s) for s in (0, 1, 2)])
+    mark = written.mark()
+    written.note([_batch(s) for s in (3, 4)] + [_batch(9, stream=1)])
+    written.confirm(mark)  # the PING after 0..2 was answered
+    later = written.mark()
+    written.note([_batch(5)])
+    assert [(r.stream, r.first, r.last) for r in written.take()] == [(0, 3, 5), (1, 9, 9)]
+    written.confirm(later)  # a late answer for what was already taken: nothing changes
+    assert written.take() == []
+
+
+def test_healthz_fails_once_nats_is_unusable_past_the_bound() -> None:
+    from bridge.producer.telemetry.health import Health
+
+    health = Health(nats_unhealthy_after_s=0.05)
+    health.nats_connected = True
+    assert health.live()
+    health.nats_connected = False
+    assert health.live()  # not yet past the bound
+    assert health.nats_down_since is not None
+    health.nats_down_since -= 0.06  # as if it had been down that long
+    assert not health.live() and health.nats_down_for() >= 0.05
+    health.nats_connected = True
+    assert health.live() and health.nats_down_for() == 0.0
+    assert Health(nats_unhealthy_after_s=0.0).live()  # 0: never

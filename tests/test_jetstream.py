@@ -301,7 +301,7 @@ async def test_a_resume_point_that_does_not_answer_yet_is_waited_for_not_a_crash
     moment (NoRespondersError). Found at 8c18139 on a three-server cluster: the
     error left the task group and the bridge exited 1. Now it is not ready,
     says so, and tries again."""
-    import bridge.producer.service as service
+    import bridge.producer.sink.resume as resume
     from bridge.producer.sink.jetstream import last_point
 
     calls = {"n": 0}
@@ -313,7 +313,7 @@ async def test_a_resume_point_that_does_not_answer_yet_is_waited_for_not_a_crash
             raise nats.errors.NoRespondersError
         return await last_point(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(service, "last_point", flaky)
+    monkeypatch.setattr(resume, "last_point", flaky)
     pub, settings = _publisher_and_settings(nats_server.url)
     workload = HybridWorkload(seed=5)
     bridge = Bridge(settings)

@@ -76,7 +76,7 @@ def test_every_private_name_the_fast_path_uses_is_checked() -> None:
     missing = missing_internals(client_type=_Bare, transport_type=_Bare, subscription_type=_Bare)
     assert set(missing) == {
         "Client._send_command", "Client._flush_pending", "Client._process_msg", "Client._flush_queue",
-        "Client._pending_data_size", "Client._transport", "Client._ps", "Parser.buf", "Parser.state",
+        "Client._pending_data_size", "Client._pending", "Client._transport", "Client._ps", "Parser.buf", "Parser.state",
         "TcpTransport._io_writer", "Subscription._id",
     }
 
@@ -221,3 +221,53 @@ async def test_the_public_path_reads_refusals_and_no_stream_answers_like_the_fas
                     await anyio.sleep(0.1)
     finally:
         pub.close()
+
+
+async def test_a_disconnect_takes_the_sinks_frames_back_out_of_nats_pys_buffer(nats_server: NatsServerProcess) -> None:
+    """nats-py sends its pending buffer to the next server before it tells
+    the sink it reconnected: the sink's frames left there would be stored
+    ahead of the older ones the lost socket took. drop_pending takes back
+    exactly the sink's frames; anything else nats-py holds still goes out."""
+    from bridge.producer.sink.encode import Outgoing
+
+    path = FastPath()
+    nc = path.new_client()
+    await nc.connect(nats_server.url)
+    seen: list[str] = []
+    reader = await nats.connect(nats_server.url)
+    try:
+        async def on_msg(msg: Any) -> None:
+            seen.append(msg.subject)
+
+        await reader.subscribe(">", cb=on_msg)
+        await reader.flush()
+        # something of nats-py's waiting in its buffer: the sink's write queues behind it
+        await nc._send_command(b"PUB other.subject 1\r\nx\r\n")  # noqa: SLF001
+        await path.write(nc, [Outgoing("kv.w.0", b"payload", {"Nats-Msg-Id": "w:0"}, "attention", 1)], None)
+        assert path.drop_pending(nc) > 0
+        assert path.drop_pending(nc) == 0
+        await nc.flush()
+        await path.write(nc, [Outgoing("kv.w.1", b"payload", {"Nats-Msg-Id": "w:1"}, "attention", 1)], None)
+        await nc.flush()
+        with anyio.fail_after(10):
+            while len(seen) < 2:
+                await anyio.sleep(0.02)
+        await anyio.sleep(0.1)
+        assert seen == ["other.subject", "kv.w.1"]
+    finally:
+        await reader.close()
+        await nc.close()
+
+
+async def test_writes_are_refused_while_nats_py_is_not_connected(nats_server: NatsServerProcess) -> None:
+    """A frame written while nats-py is not connected would wait in its
+    buffer and reach the next server first: both paths refuse it (the sink
+    retries once connected)."""
+    from bridge.producer.sink.encode import Outgoing
+
+    for path in (FastPath(), PublicPath()):
+        nc = path.new_client()
+        await nc.connect(nats_server.url)
+        await nc.close()
+        with pytest.raises(nats.errors.ConnectionClosedError):
+            await path.write(nc, [Outgoing("kv.w.0", b"p", {}, "attention", 1)], None)

@@ -69,6 +69,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--log-format", "choice", "json", "Log line format.", ("json", "console")),
     Option("--log-level", "choice", "info", "Log level.", ("debug", "info", "warning", "error")),
     Option("--drain-timeout", "float", 10.0, "Seconds SIGTERM/SIGINT may take to flush and drain NATS."),
+    Option("--nats-unhealthy-after", "float", 120.0,
+           "Seconds NATS may stay unusable (no connection, the bridge reconnecting) before /healthz answers 503, so the orchestrator restarts the bridge (0: never)."),
     Option("--jetstream", "bool", False, "Publish to a JetStream stream with acks and de-duplication, and resume from it on start."),
     Option("--stream-name", "str", DEFAULT_STREAM, "JetStream stream name (created or verified at start)."),
     Option("--stream-max-age", "float", 3600.0, "Stream limit: seconds a message is kept."),
@@ -128,6 +130,7 @@ class Settings(NatsAccess, frozen=True):
     log_format: str
     log_level: str
     drain_timeout: float
+    nats_unhealthy_after: float
     jetstream: bool
     stream_name: str
     stream_max_age: float
@@ -244,6 +247,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
     check(values["idle_probe_interval"] >= 0, "--idle-probe-interval", "must be 0 or positive")
     check(0 <= values["http_port"] <= 65535, "--http-port", "must be 0..65535")
     check(values["drain_timeout"] > 0, "--drain-timeout", "must be positive")
+    check(values["nats_unhealthy_after"] >= 0, "--nats-unhealthy-after", "must be 0 (never) or positive")
     check(values["stream_max_age"] >= 0, "--stream-max-age", "must be 0 (no bound) or positive")
     check(values["stream_max_bytes"] == -1 or values["stream_max_bytes"] >= 1024 * 1024, "--stream-max-bytes",
           "must be -1 (no bound) or at least 1 MiB")

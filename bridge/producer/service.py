@@ -9,9 +9,7 @@ from contextlib import ExitStack
 import anyio
 import anyio.abc
 import msgspec
-import nats.errors
 import nats.js
-import nats.js.errors
 import structlog
 import zmq
 
@@ -21,11 +19,14 @@ from bridge.producer.config import Settings
 from bridge.producer.pipeline import StreamPipeline
 from bridge.producer.plan import StreamSettings, stream_plans
 from bridge.producer.sink.catalog import GroupCatalog
+from bridge.producer.sink.confirm import WrittenRun
 from bridge.producer.sink.encode import MessageEncoder
-from bridge.producer.sink.jetstream import ResumePoint, StreamConfigError, ensure_stream, last_point
+from bridge.producer.sink.jetstream import ResumePoint
 from bridge.producer.sink.publisher import NatsSink
 from bridge.producer.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.producer.sink.registry_writer import WorkerRegistry, ttl_for
+from bridge.producer.sink.reorder import reordered_runs
+from bridge.producer.sink.stream_setup import open_stream, stream_state
 from bridge.producer.snapshot.bucket import SnapshotWriter, open_bucket
 from bridge.producer.snapshot.keeper import ResidencyKeeper, keep_up
 from bridge.producer.snapshot.rebuild import rebuild_rank
@@ -47,7 +48,7 @@ class Bridge:
     def __init__(self, settings: Settings, *, nats_fast_path: bool = True) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.health = Health()
+        self.health = Health(nats_unhealthy_after_s=settings.nats_unhealthy_after)
         self.metrics.info.labels(__version__, settings.worker_id).set(1)
         self.http_port: int | None = None
         self._pipelines: list[StreamPipeline] = []
@@ -63,7 +64,7 @@ class Bridge:
             if settings.snapshots else None
         keeper = self.keeper
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
-                             on_reordered=self._reordered, fast_path=nats_fast_path,
+                             on_reordered=self._reordered, on_lost=self._lost, fast_path=nats_fast_path,
                              on_written=keeper.published if keeper else None,
                              on_stored=keeper.stored if keeper else None)
         if keeper is not None:
@@ -111,25 +112,39 @@ class Bridge:
         self._pipelines[batch.stream].announce.gap(batch.seq, batch.seq, "refused", epoch=batch.epoch)
 
     def _reordered(self, batches: list[OutBatch]) -> None:
-        """JetStream stored these batches after a later batch of their worker
-        and rank (a lost ack's copy, sent again, landed behind messages a new
-        stream leader had already taken): a reader that takes a message at or
-        before its last applied one for a copy drops them, so a `gap` record
-        (reason `reordered`) names each run of them. It follows them."""
-        runs: dict[tuple[int, int], list[int]] = {}
-        for batch in batches:
-            runs.setdefault((batch.stream, batch.epoch), []).append(batch.seq)
-        for (stream, epoch), seqs in runs.items():
-            announce = self._pipelines[stream].announce
-            seqs.sort()
-            first = last = seqs[0]
-            for seq in [*seqs[1:], None]:
-                if seq is not None and seq <= last + 1:
-                    last = max(last, seq)
-                    continue
-                announce.gap(first, last, "reordered", epoch=epoch)
-                if seq is not None:
-                    first = last = seq
+        """A `gap` record (reason `reordered`) names each run of batches the
+        stream stored behind a later one (bridge.producer.sink.reorder). It follows them."""
+        for run in reordered_runs(batches):
+            self._pipelines[run.stream].announce.gap(run.first, run.last, "reordered", epoch=run.epoch)
+
+    def _lost(self, run: WrittenRun) -> None:
+        """Core mode: batches handed to a NATS client closed for good before
+        the server confirmed them: a gap record names them."""
+        self._pipelines[run.stream].announce.gap(run.first, run.last, "connection_closed", epoch=run.epoch)
+
+    async def _nats_replaced(self) -> None:
+        """A new NATS client in place of one closed for good: what lived on
+        the old one made again (stream, registry, snapshot bucket and service)."""
+        s = self.settings
+        nc, js = self.sink.nc, self.sink.js
+        assert nc is not None
+        if js is not None:
+            await stream_state(js, s)
+        if self._registry is not None:
+            self._registry.rebind(js or nc.jetstream())
+        if self._snapshot_writer is not None and js is not None and s.snapshot_bucket:
+            try:
+                self._snapshot_writer.rebind(await open_bucket(js, s.snapshot_bucket, replicas=s.stream_replicas,
+                                                               max_age=s.stream_max_age))
+            except Exception as exc:  # JetStream busy: the writer's next rounds fail and say so
+                log.warning("snapshot_bucket_unavailable", bucket=s.snapshot_bucket, error=type(exc).__name__,
+                            detail=str(exc)[:200])
+        if self.snapshots is not None:
+            await self.snapshots.stop()
+            try:
+                await self.snapshots.start(nc)
+            except Exception as exc:  # e.g. no permission for its subjects: the bridge runs on without it
+                log.error("snapshot_service_failed", error=type(exc).__name__, detail=str(exc)[:200])
 
     def _on_subscribed(self) -> None:
         self._subscribed += 1
@@ -183,7 +198,10 @@ class Bridge:
                 await self._stop_snapshots()
                 if self._registry is not None:
                     with anyio.move_on_after(2.0):
-                        await self._registry.stopped(self.registry_entry())
+                        try:
+                            await self._registry.stopped(self.registry_entry())
+                        except Exception as exc:  # NATS away at the end: the entry ages out instead
+                            log.warning("registry_stop_failed", error=type(exc).__name__, detail=str(exc)[:200])
                 with anyio.move_on_after(max(1.0, s.drain_timeout / 2)):
                     await self.sink.close()
                 tg.cancel_scope.cancel()
@@ -194,12 +212,15 @@ class Bridge:
 
     async def _connect_and_publish(self, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
+        tg.start_soon(self.sink.supervise, self._nats_replaced)
+        tg.start_soon(self.sink.confirm)
         await self._start_registry(tg)
         await self._start_snapshots(tg)
         await self.sink.run()
 
     async def _resume_then_read(self, readers: anyio.abc.TaskGroup, tg: anyio.abc.TaskGroup) -> None:
         await self.sink.connect()
+        tg.start_soon(self.sink.supervise, self._nats_replaced)
         points = await self._open_stream()
         await self._open_snapshot_bucket(points)
         for pipeline, point in zip(self._pipelines, points):
@@ -270,84 +291,13 @@ class Bridge:
             await self.snapshots.stop()
 
     async def _open_stream(self) -> list[ResumePoint | None]:
-        """The stream made or verified, and each pipeline's resume point read
-        back. Until both answer (a cluster without a JetStream leader yet, a
-        new replicated stream whose replicas do not answer direct gets yet, a
-        stream the operator must fix, a permission missing) the bridge says
-        why, retries, and stays not ready; nothing is read from ZMQ meanwhile
-        (vLLM's replay buffer holds it). A rank whose last message the NATS
-        user may not read back starts fresh instead (said once)."""
+        ranks = [(p.subjects.base, p.plan.dp_rank) for p in self._pipelines]
+        return await open_stream(self._js, self.settings, self.health, ranks, self.sink.denied)
+
+    def _js(self) -> nats.js.JetStreamContext:
         js = self.sink.js
         assert js is not None
-        s = self.settings
-        delay = 0.2
-        created = False
-        points: list[ResumePoint | None] = []
-        while len(points) < len(self._pipelines):
-            pipeline = self._pipelines[len(points)]
-            try:
-                if not created:
-                    await ensure_stream(js, s)
-                    created = True
-                found, point = await self._read_point(js, pipeline)
-            except (StreamConfigError, *_NOT_YET) as exc:
-                self.health.stream_ready = False
-                event = "stream_refused" if isinstance(exc, StreamConfigError) else "stream_not_ready"
-                getattr(log, "error" if event == "stream_refused" else "warning")(
-                    event, stream=s.stream_name, step="resume point" if created else "stream",
-                    error=type(exc).__name__, detail=str(exc)[:200], retry_in=delay,
-                )
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            if not found:
-                log.error("resume_point_forbidden", stream=s.stream_name, subject=f"{pipeline.subjects.base}.>",
-                          dp_rank=pipeline.plan.dp_rank, hint="the NATS user may not read back this rank's "
-                          "last message (direct get): it starts fresh")
-            points.append(point)
-        self.health.stream_ready = True
-        return points
-
-    async def _read_point(self, js: nats.js.JetStreamContext, pipeline: StreamPipeline) -> tuple[bool, ResumePoint | None]:
-        """(True, the stream's last point for the pipeline's subjects), or
-        (False, None) as soon as the server refuses the direct get."""
-        s = self.settings
-        base = pipeline.subjects.base
-        request = f"$JS.API.DIRECT.GET.{s.stream_name}.{base}.>"
-        outcome: list[tuple[bool, ResumePoint | None] | BaseException] = []
-        async with anyio.create_task_group() as tg:
-
-            async def get() -> None:
-                try:
-                    outcome.append((True, await last_point(js, s.stream_name, base)))
-                except _NOT_YET as exc:
-                    outcome.append(exc)
-                tg.cancel_scope.cancel()
-
-            async def refused() -> None:
-                while not self.sink.denied(request):
-                    await anyio.sleep(0.05)
-                outcome.append((False, None))
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(get)
-            tg.start_soon(refused)
-        result = outcome[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-
-# What the stream's set-up may answer while it is not ready yet.
-_NOT_YET = (
-    nats.errors.NoRespondersError,
-    nats.errors.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.js.errors.APIError,
-    TimeoutError,
-    OSError,
-)
+        return js
 
 
 def run_bridge(settings: Settings) -> int:

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from enum import Enum
 
 import anyio
 
+from bridge.producer.sink.ack_errors import PublishRefusal
 from bridge.producer.sink.encode import Outgoing
 from bridge.producer.sink.queue import OutBatch
 
@@ -46,9 +48,6 @@ from bridge.producer.sink.queue import OutBatch
 # publisher that gives up on the message names in a gap record.
 Sent = tuple[Outgoing, OutBatch | None]
 
-# A PubAck is `{"stream":...,"seq":...}` (maybe `"duplicate":true`); a refusal
-# is `{"error":{...}}`. Nothing else has to be read to tell them apart.
-_ERROR_KEY = b'"error"'
 _SEQ_KEY = b'"seq":'
 
 # Bound on the order records kept during one long trouble (each is small).
@@ -58,16 +57,21 @@ _MAX_RECORDS = 1 << 16
 _WIRE_STEP = 1 << 48
 
 
-def ack_error(data: bytes, headers: bytes | None) -> str | None:
-    """None for a PubAck; else why the server did not store the message."""
-    if headers and headers[8:9] == b" ":
-        # An inline status (`NATS/1.0 503\r\n\r\n`): no stream took the subject.
-        return f"status {bytes(headers[9:12]).decode(errors='replace')}"
-    if _ERROR_KEY in data[:16]:
-        return bytes(data[:200]).decode(errors="replace")
-    if not data.startswith(b"{"):
-        return "not a PubAck"
-    return None
+class Trouble(Enum):
+    """Why the window's oldest message may be lost, so publishing pauses."""
+
+    NO_ACK = "no ack in time"
+    REFUSED = "the stream did not store a message"
+    OVERTAKEN = "an ack overtook an older unacked message"
+    RECONNECTED = "reconnected"
+
+
+class Settled(Enum):
+    """How waiting for one message's ack ended."""
+
+    STORED = "stored"
+    REFUSED = "refused"
+    TIMEOUT = "timeout"
 
 
 def ack_seq(data: bytes) -> int:
@@ -120,7 +124,7 @@ class _Doubt:
     __slots__ = ("error", "horizon", "refusals", "resends")
 
     def __init__(self) -> None:
-        self.error = ""
+        self.error: PublishRefusal | None = None
         self.refusals = 0
         self.resends = 0
         self.horizon = -1
@@ -149,12 +153,12 @@ class Pending:
         return self.doubt
 
     @property
-    def error(self) -> str:
-        """The server's reason for not storing the last copy ("": none came)."""
-        return self.doubt.error if self.doubt is not None else ""
+    def error(self) -> PublishRefusal | None:
+        """The server's reason for not storing the last copy (None: none came)."""
+        return self.doubt.error if self.doubt is not None else None
 
     @error.setter
-    def error(self, value: str) -> None:
+    def error(self, value: PublishRefusal | None) -> None:
         self._doubt().error = value
 
     @property
@@ -176,7 +180,7 @@ class Pending:
 
     def sent_again(self, horizon: int) -> None:
         doubt = self._doubt()
-        doubt.error = ""
+        doubt.error = None
         doubt.resends += 1
         doubt.horizon = horizon
 
@@ -216,8 +220,8 @@ class AckWindow:
         self._wire_base = 0
         # Error replies taken, ever: with the acks, what the publisher watches move.
         self._errors = 0
-        # Why publishing must pause and the oldest go again ("": nothing wrong seen).
-        self.trouble = ""
+        # Why publishing must pause and the oldest go again (None: nothing wrong seen).
+        self.trouble: Trouble | None = None
         self._low_water = 0
         self._low_bytes = 0
         self._room: anyio.Event | None = None
@@ -339,7 +343,7 @@ class AckWindow:
         entry = self._pending.pop(token, None)
         if entry is None:
             return  # settled already: another copy's ack came first
-        error = ack_error(data, headers)
+        error = PublishRefusal.from_ack(data, headers)
         if error is not None:
             # Not stored: back in the window (out of insertion order, which
             # unsettled() puts right), for the publisher to send again or give up.
@@ -347,7 +351,7 @@ class AckWindow:
             self._errors += 1
             entry.error = error
             if not self.trouble:
-                self.trouble = "the stream did not store a message"
+                self.trouble = Trouble.REFUSED
             self._wake(token)
             return
         self.bytes -= entry.msg.nbytes
@@ -386,7 +390,7 @@ class AckWindow:
             oldest = pending[self._head]
             # The oldest's last copy went out before this one's and got no ack.
             if oldest.wire < entry.wire and oldest.generation == entry.generation:
-                self.trouble = "an ack overtook an older unacked message"
+                self.trouble = Trouble.OVERTAKEN
         seq = ack_seq(data)
         if seq >= 0:
             origin = entry.origin
@@ -477,10 +481,10 @@ class AckWindow:
 
     # -- waiting ------------------------------------------------------------
 
-    async def wait_settled(self, token: int, timeout: float) -> str:
-        """Until message `token` is stored (`settled`), refused (`error`), or `timeout`."""
+    async def wait_settled(self, token: int, timeout: float) -> Settled:
+        """Until message `token` is stored, refused, or `timeout` passes."""
         entry = self._pending.get(token)
-        if entry is not None and not entry.error:
+        if entry is not None and entry.error is None:
             self._watch = token
             self._watched = anyio.Event()
             try:
@@ -490,8 +494,8 @@ class AckWindow:
                 self._watch, self._watched = -1, None
             entry = self._pending.get(token)
         if entry is None:
-            return "settled"
-        return "error" if entry.error else "timeout"
+            return Settled.STORED
+        return Settled.REFUSED if entry.error is not None else Settled.TIMEOUT
 
     async def wait_below(self, low_water: int, timeout: float, low_bytes: int = 1 << 62) -> None:
         """Until at most `low_water` messages and `low_bytes` bytes are in

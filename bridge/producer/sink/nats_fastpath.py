@@ -24,6 +24,7 @@ import importlib.metadata
 from collections.abc import Callable
 from typing import Final, Protocol
 
+import nats.errors
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -73,6 +74,23 @@ class NatsPath(Protocol):
         pool; nats-py reconnects as after any connection loss."""
         ...
 
+    def drop_pending(self, nc: NatsClient) -> int:
+        """Takes back what `write` left in nats-py's pending buffer (nats-py
+        sends that buffer to the next server first, before its reconnect
+        callback runs); returns the bytes taken."""
+        ...
+
+
+def _refuse_unless_connected(nc: NatsClient) -> None:
+    """A write while nats-py reconnects would wait in its pending buffer and
+    go to the next server ahead of anything the sink sends again: refused,
+    the sink retries once connected."""
+    if nc.is_connected:
+        return
+    if nc.is_closed:
+        raise nats.errors.ConnectionClosedError
+    raise nats.errors.ConnectionReconnectingError
+
 
 # -- fast path -------------------------------------------------------------
 
@@ -112,6 +130,8 @@ class BridgeClient(NatsClient):
         self.ack_prefix = b""
         self.on_ack: AckHandler | None = None
         self._ps = _AckParser(self)
+        # The sink's own writes now in nats-py's pending buffer (by identity).
+        self.own_pending: list[bytes] = []
 
     def route_acks(self, sid: int, prefix: bytes, on_ack: AckHandler) -> None:
         """From now on, subscription `sid`'s messages go to `on_ack`; `prefix`
@@ -157,9 +177,14 @@ class FastPath:
         nc.route_acks(sub._id, f"MSG {inbox}.".encode(), on_ack)  # noqa: SLF001
 
     async def write(self, nc: NatsClient, messages: list[Outgoing], replies: list[str] | None) -> None:
+        _refuse_unless_connected(nc)
         data = hpub_frames(messages, replies)
         if _write_through(nc, data):
             return
+        if isinstance(nc, BridgeClient):
+            if not nc._pending_data_size:  # noqa: SLF001 - the flusher took everything
+                nc.own_pending.clear()
+            nc.own_pending.append(data)
         await nc._send_command(data)  # noqa: SLF001
         if nc._flush_queue is not None and nc._flush_queue.empty():  # noqa: SLF001 - as nc.publish does
             await nc._flush_pending()  # noqa: SLF001
@@ -175,6 +200,18 @@ class FastPath:
             return
         await nc.force_reconnect()
 
+    def drop_pending(self, nc: NatsClient) -> int:
+        if not isinstance(nc, BridgeClient) or not nc.own_pending:
+            return 0
+        own = {id(chunk) for chunk in nc.own_pending}
+        nc.own_pending = []
+        pending: list[bytes] = nc._pending  # noqa: SLF001
+        keep = [chunk for chunk in pending if id(chunk) not in own]
+        dropped = nc._pending_data_size - sum(len(chunk) for chunk in keep)  # noqa: SLF001
+        nc._pending = keep  # noqa: SLF001
+        nc._pending_data_size -= dropped  # noqa: SLF001
+        return dropped
+
 
 # -- public path -----------------------------------------------------------
 
@@ -188,13 +225,14 @@ class PublicPath:
     async def route_acks(self, nc: NatsClient, inbox: str, on_ack: AckHandler) -> None:
         async def deliver(msg: Msg) -> None:
             status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
-            # The inline status line as the server sent it, which ack_error reads.
+            # The inline status line as the server sent it, which PublishRefusal.from_ack reads.
             head = f"NATS/1.0 {status}\r\n\r\n".encode() if status else None
             on_ack(msg.subject.encode(), msg.data, head)
 
         await nc.subscribe(f"{inbox}.*", cb=deliver)
 
     async def write(self, nc: NatsClient, messages: list[Outgoing], replies: list[str] | None) -> None:
+        _refuse_unless_connected(nc)
         publish = nc.publish
         if replies is None:
             for msg in messages:
@@ -205,6 +243,12 @@ class PublicPath:
 
     async def drop_connection(self, nc: NatsClient) -> None:
         await nc.force_reconnect()
+
+    def drop_pending(self, nc: NatsClient) -> int:
+        # nats-py's public API cannot take a write back: what it holds at a
+        # disconnect goes first to the next server (the fast path's order
+        # guarantee through a lost connection does not hold here).
+        return 0
 
 
 # -- choosing --------------------------------------------------------------
@@ -228,6 +272,7 @@ def missing_internals(client_type: type = NatsClient, transport_type: type = Tcp
         "Client._process_msg": callable(getattr(client, "_process_msg", None)),
         "Client._flush_queue": hasattr(client, "_flush_queue"),
         "Client._pending_data_size": isinstance(getattr(client, "_pending_data_size", None), int),
+        "Client._pending": isinstance(getattr(client, "_pending", None), list),
         "Client._transport": hasattr(client, "_transport"),
         "Client._ps": isinstance(parser, Parser),
         "Parser.buf": hasattr(parser, "buf"),

@@ -27,9 +27,10 @@ one log line per subject, a metric, /readyz false.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -42,11 +43,13 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from bridge.producer.config import Settings
-from bridge.producer.sink.acks import AckWindow, Sent
+from bridge.producer.sink.ack_errors import NoResponders, NoStream, PermissionRefused, PublishRefusal
+from bridge.producer.sink.acks import AckWindow, Pending, Sent, Settled, Trouble
+from bridge.producer.sink.confirm import Unconfirmed, WrittenRun
 from bridge.producer.sink.encode import Outgoing
-from bridge.producer.sink.jetstream import StreamConfigError, ensure_stream
 from bridge.producer.sink.nats_fastpath import select_path
 from bridge.producer.sink.queue import BatchQueue, OutBatch
+from bridge.producer.sink.stream_setup import StreamState, stream_state
 from bridge.producer.telemetry.health import Health
 from bridge.producer.telemetry.metrics import Metrics
 from bridge.runtime.access import connect_options
@@ -74,12 +77,15 @@ _STALL_S = 1.0
 # or the connection is dropped for another server of the cluster.
 _PING_S = 2
 
+# Core mode: how often the server is asked (PING) to confirm what it has
+# read, and a wait for its answer longer than any connection lives unanswered
+# (nats-py drops a connection after three unanswered pings, 10 s apart).
+_CONFIRM_S = 1.0
+_CONFIRM_WAIT_S = 3600
+
 # How long a permission violation keeps /readyz false, and how often it is
 # logged per subject.
 _DENIED_HOLD_S = 30.0
-
-# Errors in a PubAck that mean "no leader stores anything right now", not a refusal.
-_TRANSIENT_ERRORS = ('"err_code":10008', "temporarily unavailable")
 
 _VIOLATION = re.compile(r"permissions violation for (publish|subscription) to \"([^\"]+)\"", re.IGNORECASE)
 
@@ -105,6 +111,10 @@ def _no_reorder_handler(batches: list[OutBatch]) -> None:
     return None
 
 
+def _no_loss_handler(run: WrittenRun) -> None:
+    return None
+
+
 class NatsSink:
     """`on_refused` names a batch whose message the stream refused for good;
     `on_reordered` the batches the stream stored after a later batch of the
@@ -120,6 +130,7 @@ class NatsSink:
         *,
         on_refused: Callable[[OutBatch], None] = _no_refusal_handler,
         on_reordered: Callable[[list[OutBatch]], None] = _no_reorder_handler,
+        on_lost: Callable[[WrittenRun], None] = _no_loss_handler,
         on_written: Callable[[list[Outgoing]], None] | None = None,
         on_stored: Callable[[Outgoing, bytes], None] | None = None,
         fast_path: bool = True,
@@ -140,6 +151,11 @@ class NatsSink:
         metrics.watch_in_flight(self.in_flight)
         self._on_refused = on_refused
         self._on_reordered = on_reordered
+        self._on_lost = on_lost
+        # Set when nats-py closes the current client for good (not by us).
+        self._closed = anyio.Event()
+        self._unconfirmed = Unconfirmed()
+        self.clients_replaced = 0
         # What consumers will see, for the bridge's own residency: in core mode
         # each batch once written, in JetStream mode each message once stored.
         self._on_written = on_written if not settings.jetstream else None
@@ -168,6 +184,18 @@ class NatsSink:
     async def _on_disconnect(self) -> None:
         if self._closing:
             return
+        nc = self.nc
+        if self._settings.jetstream and nc is not None:
+            # What nats-py still holds of ours would go to the next server
+            # first, ahead of what the lost socket took with it: the ack
+            # window sends all of it again, oldest first, instead.
+            self._path.drop_pending(nc)
+        if len(self._acks):
+            # Hold newer messages from now on, not from the reconnect callback:
+            # nats-py reports itself connected one PING round trip before
+            # that callback runs, and a batch published in between would be
+            # stored ahead of the ones the lost connection took with it.
+            self._acks.trouble = Trouble.RECONNECTED
         self._metrics.nats_disconnects.inc()
         self._metrics.nats_connected.set(0)
         self._health.nats_connected = False
@@ -178,7 +206,7 @@ class NatsSink:
         self._generation += 1
         if len(self._acks):
             # What went out on the lost connection may be lost with it.
-            self._acks.trouble = "reconnected"
+            self._acks.trouble = Trouble.RECONNECTED
         if self._health.denied_until == float("inf"):
             self._health.denied_until = 0.0  # the subscriptions are made again: a refusal shows again
         self._metrics.nats_reconnects.inc()
@@ -223,7 +251,7 @@ class NatsSink:
                     # Its gap record goes to the worker subject: pointless (and
                     # one more refusal) when that one is forbidden too.
                     worker_subject = f"{key.rsplit('.', 1)[0]}.worker"
-                    self._give_up(entry.msg, entry.origin, "permission denied", quiet=True,
+                    self._give_up(entry.msg, entry.origin, PermissionRefused(), quiet=True,
                                   announce=not self.denied(worker_subject))
 
     def _denial_hint(self, operation: str, subject: str) -> str:
@@ -251,6 +279,13 @@ class NatsSink:
             self._settings, f"kv-bridge {self._settings.worker_id}",
             self._on_disconnect, self._on_reconnect, self._on_error,
         )
+        closed = self._closed = anyio.Event()
+
+        async def on_closed() -> None:
+            if not self._closing:
+                closed.set()
+
+        opts["closed_cb"] = on_closed
         delay = 0.2
         while True:
             try:
@@ -267,13 +302,79 @@ class NatsSink:
                 delay = min(delay * 2, 5.0)
         if self._settings.jetstream:
             self.js = nc.jetstream()
-            # Acks for the window's reply subjects; nats-py re-subscribes after a reconnect.
-            self._acks = AckWindow(nc.new_inbox(), self._on_stored)
+            # Acks for the window's reply subjects; nats-py re-subscribes after
+            # a reconnect, and a client that replaces a closed one takes the
+            # same inbox, so acks owed to the window still find it.
+            if not self._acks.inbox:
+                self._acks = AckWindow(nc.new_inbox(), self._on_stored)
             await self._path.route_acks(nc, self._acks.inbox, self._acks.on_ack)
         self._metrics.nats_connected.set(1)
         self._health.nats_connected = True
         self._connected.set()
         log.info("nats_connected", server=self._server(), jetstream=self._settings.jetstream)
+
+    async def supervise(self, on_replaced: Callable[[], Awaitable[None]]) -> None:
+        """Replaces a client nats-py closed for good (any server -ERR but a
+        permission error closes it: a reply over max_payload, an authorization
+        change) with a new connection, with backoff, then `on_replaced` makes
+        again what lived on the old one. JetStream: the ack window sends its
+        unacked messages again, oldest first. Core: what the old client may
+        have taken with it is named by gap records. Until cancelled."""
+        while True:
+            await self._closed.wait()
+            nc = self.nc
+            error = nc.last_error if nc is not None else None
+            began = time.monotonic()
+            self._metrics.nats_connected.set(0)
+            self._health.nats_connected = False
+            self._connected = anyio.Event()
+            log.error("nats_client_closed", server=self._server(), error=type(error).__name__ if error else None,
+                      detail=str(error)[:200] if error else None, unacked=len(self._acks),
+                      hint="the NATS client was closed for good: connecting a new one")
+            if not self._settings.jetstream:
+                for run in self._unconfirmed.take():
+                    self._on_lost(run)
+            self._generation += 1
+            if len(self._acks):
+                self._acks.trouble = Trouble.RECONNECTED
+            await self.connect()
+            self.clients_replaced += 1
+            self._metrics.nats_clients_replaced.inc()
+            await on_replaced()
+            log.warning("nats_client_replaced", server=self._server(), down_s=round(time.monotonic() - began, 3),
+                        replaced=self.clients_replaced)
+
+    async def confirm(self) -> None:
+        """Core mode: asks the server every `_CONFIRM_S` to confirm (PONG)
+        what it has read, so only what was written since is in doubt when a
+        client is closed for good. Until cancelled.
+
+        One PING at a time, never given up: nats-py answers a PONG by setting
+        the oldest waiting future, and one cancelled by a timeout makes its
+        reader fail and drop the connection (and with it, in core mode, what
+        the socket held). A frozen server is nats-py's own to detect."""
+        asking: asyncio.Future[None] | None = None
+        asked_on: tuple[NatsClient | None, int] = (None, -1)
+        asked_at = 0.0
+        mark = 0
+        while True:
+            await anyio.sleep(0.1)
+            if asking is not None:
+                if asking.done():
+                    if not asking.cancelled() and asking.exception() is None:
+                        self._unconfirmed.confirm(mark)
+                    asking = None
+                elif asked_on != (self.nc, self._generation):
+                    asking = None  # nats-py forgets a lost connection's pings: so does this
+                else:
+                    continue
+            nc = self.nc
+            now = time.monotonic()
+            if nc is None or not nc.is_connected or now - asked_at < _CONFIRM_S:
+                continue
+            asked_at, asked_on = now, (nc, self._generation)
+            mark = self._unconfirmed.mark()
+            asking = asyncio.ensure_future(nc.flush(timeout=_CONFIRM_WAIT_S))
 
     # -- publishing ------------------------------------------------------
 
@@ -284,12 +385,12 @@ class NatsSink:
         acks = self._acks
         js = self._settings.jetstream
         while True:
-            if js and acks.trouble and not len(acks):
-                acks.trouble = ""  # what was in doubt is settled or given up
+            if js and acks.trouble is not None and not len(acks):
+                acks.trouble = None  # what was in doubt is settled or given up
             if js and len(acks):
                 # Acks outstanding: a quiet queue must not leave a lost one unnoticed.
                 reason = self._lost_ack(time.monotonic())
-                if reason:
+                if reason is not None:
                     try:
                         await self._recover(reason)
                     except _RETRYABLE as exc:
@@ -308,12 +409,12 @@ class NatsSink:
             batch = queue.peek()
             if batch is None:
                 continue
-            if self.nc is None or not self.nc.is_connected:
+            if not self._usable():
                 await self._connected.wait()
                 continue
             try:
                 if js:
-                    if acks.trouble:
+                    if acks.trouble is not None:
                         continue
                     if len(acks) >= self._settings.js_max_pending or acks.bytes >= self._settings.js_max_pending_bytes:
                         # Let acks catch up to half the window, then publish on
@@ -333,20 +434,26 @@ class NatsSink:
                 continue
             metrics.queue_depth.set(len(queue))
 
-    def _lost_ack(self, now: float) -> str:
-        """Why the window's oldest message may be lost ("": no sign of it)."""
+    def _usable(self) -> bool:
+        """Connected, and the sink's own reconnect handling done (nats-py
+        reports itself connected a PING round trip before it calls it)."""
+        nc = self.nc
+        return nc is not None and nc.is_connected and self._connected.is_set()
+
+    def _lost_ack(self, now: float) -> Trouble | None:
+        """Why the window's oldest message may be lost (None: no sign of it)."""
         acks = self._acks
-        if acks.trouble:
+        if acks.trouble is not None:
             return acks.trouble
         progress = acks.progress
         if progress != self._seen_acked:
             self._seen_acked = progress
             self._progress_at = now
-            return ""
+            return None
         head = acks.head()
         if head is not None and now - max(self._progress_at, head[1].sent) >= self.stall_s:
-            return f"no ack for {self.stall_s:g} s"
-        return ""
+            return Trouble.NO_ACK
+        return None
 
     async def _publish(self, first: OutBatch) -> None:
         """Every batch queued now (within bounds and, for JetStream, the ack
@@ -383,6 +490,8 @@ class NatsSink:
             # to the head of the queue, in order, for the retry.
             queue.requeue(batches)
             raise
+        if not self._settings.jetstream:
+            self._unconfirmed.note(batches)
         self._account(batches)
 
     async def _write(self, nc: NatsClient, sent: list[Sent]) -> None:
@@ -410,7 +519,7 @@ class NatsSink:
 
     # -- a lost ack ------------------------------------------------------
 
-    async def _recover(self, reason: str) -> None:
+    async def _recover(self, reason: Trouble) -> None:
         """Nothing newer goes out until the oldest unacked message is stored:
         it alone, again and again (each try waits `stall_s` for its ack),
         refusals counted and given up after a few; then every unacked message
@@ -420,24 +529,24 @@ class NatsSink:
         self.recoveries += 1
         self._metrics.js_recoveries.inc()
         head = acks.head()
-        log.warning("js_publish_paused", reason=reason, unacked=len(acks),
+        log.warning("js_publish_paused", reason=reason.value, stall_s=self.stall_s, unacked=len(acks),
                     first=head[1].msg.subject if head else None, server=self._server())
         tries = 0
         delay = 0.1
         said = began
         resent = 0
         # Silence may be the connected server's own (frozen, cut off): ask it first.
-        check_server = reason.startswith("no ack")
+        check_server = reason is Trouble.NO_ACK
         while True:
-            acks.trouble = ""
+            acks.trouble = None
             head = acks.head()
             if head is None:
                 break
             token, entry = head
             nc = self.nc
-            if nc is None or not nc.is_connected:
+            if nc is None or not self._usable():
                 with anyio.move_on_after(self.stall_s):
-                    while self.nc is None or not self.nc.is_connected:
+                    while not self._usable():
                         await anyio.sleep(0.02)
                 continue
             if check_server:
@@ -447,7 +556,7 @@ class NatsSink:
                     self._connected = anyio.Event()
                     await self._path.drop_connection(nc)
                     continue
-            if entry.error:
+            if entry.error is not None:
                 if await self._refused_for_good(entry):
                     acks.give_up(token)
                     self._give_up(entry.msg, entry.origin, entry.error)
@@ -459,14 +568,14 @@ class NatsSink:
             await self._write_again(nc, [token])
             tries += 1
             outcome = await acks.wait_settled(token, self.stall_s)
-            if outcome == "settled":
+            if outcome is Settled.STORED:
                 # Acks come in order: whatever went out before it and is still
                 # unacked was lost on the way.
                 rest = [t for t, e in acks.unsettled() if e.wire < probe_wire]
                 await self._write_again(nc, rest)
                 resent = len(rest)
                 break
-            if outcome == "timeout":
+            if outcome is Settled.TIMEOUT:
                 check_server = True
                 now = time.monotonic()
                 if now - said >= 10:
@@ -485,44 +594,34 @@ class NatsSink:
             return False
         return True
 
-    async def _refused_for_good(self, entry: Any) -> bool:
+    async def _refused_for_good(self, entry: Pending) -> bool:
         """Counts the server's refusal of the oldest message, unless it only
         says that nobody stores anything right now; True once it is given up."""
         error = entry.error
-        if error.startswith("status 503"):
+        assert error is not None
+        if isinstance(error, NoResponders):
             # No responder on the subject: no stream (deleted? it is made
             # again), one whose subjects no longer cover ours, or one whose
             # leader is being elected.
-            state = await self._stream_state()
-            if state == "leaderless":
+            assert self.js is not None
+            state = await stream_state(self.js, self._settings)
+            if state in (StreamState.PRESENT, StreamState.UNAVAILABLE):
                 return False
-            entry.refusals += 1
-            error = entry.error = "no stream takes the subject" + (" (made again)" if state == "created" else "")
-        elif any(word in error for word in _TRANSIENT_ERRORS):
+            error = entry.error = NoStream(made_again=state is StreamState.CREATED)
+        elif not error.counts:
             return False
-        else:
-            entry.refusals += 1
+        entry.refusals += 1
         self._metrics.publish_errors.inc()
-        log.warning("js_publish_retry", subject=entry.msg.subject, refusals=entry.refusals, error=error[:200])
+        log.warning("js_publish_retry", subject=entry.msg.subject, refusals=entry.refusals,
+                    refusal=type(error).__name__, error=error.detail[:200])
         return entry.refusals >= _MAX_REFUSALS
 
-    async def _stream_state(self) -> str:
-        assert self.js is not None
-        try:
-            created = await ensure_stream(self.js, self._settings)
-        except StreamConfigError as exc:
-            log.error("stream_mismatch", stream=self._settings.stream_name, error=str(exc)[:200])
-            return "mismatch"
-        except _RETRYABLE as exc:
-            log.warning("stream_unavailable", stream=self._settings.stream_name, error=type(exc).__name__)
-            return "leaderless"
-        return "created" if created else "leaderless"
-
-    def _give_up(self, msg: Outgoing, origin: OutBatch | None, error: str, quiet: bool = False,
+    def _give_up(self, msg: Outgoing, origin: OutBatch | None, error: PublishRefusal, quiet: bool = False,
                  announce: bool = True) -> None:
         self._metrics.js_refused.inc()
         if not quiet:
-            log.error("js_publish_refused", subject=msg.subject, attempts=_MAX_REFUSALS, error=error[:200],
+            log.error("js_publish_refused", subject=msg.subject, attempts=_MAX_REFUSALS,
+                      refusal=type(error).__name__, error=error.detail[:200],
                       seq=None if origin is None or origin.seq < 0 else origin.seq)
         # One gap per batch, however many of its group messages were refused.
         if announce and origin is not None and origin.seq >= 0 and origin is not self._last_refused:
@@ -571,7 +670,10 @@ class NatsSink:
             await anyio.sleep(0.01)
         self._announce_reordered()
         if self.nc is not None and self.nc.is_connected:
-            await self.nc.flush(timeout=5)
+            try:
+                await self.nc.flush(timeout=5)
+            except (nats.errors.Error, TimeoutError) as exc:  # lost on the way out: nothing more to do
+                log.warning("nats_flush_failed", error=type(exc).__name__)
 
     async def close(self) -> None:
         if self.nc is None:

@@ -43,6 +43,11 @@ class WorkerRegistry:
         self._lock = anyio.Lock()
         self._stopped = False
 
+    def rebind(self, js: nats.js.JetStreamContext) -> None:
+        """JetStream on a new NATS connection (the old one was closed): the next beat opens the bucket there."""
+        self._js = js
+        self._kv = None
+
     async def open(self) -> KeyValue:
         if self._kv is None:
             self._kv = await open_bucket(self._js, self.bucket, history=1, ttl=self.ttl, replicas=1,

@@ -67,6 +67,10 @@ class SnapshotWriter:
         self._written: dict[int, tuple[int, float]] = {}  # rank → (messages applied, when)
         self._slot: dict[int, tuple[str, dict[str, int]]] = {}  # rank → (slot last used, parts per slot)
 
+    def rebind(self, kv: KeyValue) -> None:
+        """The bucket as opened on a new NATS connection (the old one was closed)."""
+        self._kv = kv
+
     async def run(self) -> None:
         """Writes due snapshots until cancelled; checks once a second."""
         last_full = time.monotonic()

@@ -31,10 +31,11 @@ DROPPED_REASONS = (
 # (unpublishable, refused), received but not wholly decodable (malformed), or
 # stored by JetStream after a later batch of the same worker and rank, which a
 # reader that takes anything at or before its last applied for a copy drops
-# (reordered).
+# (reordered), or handed (core mode) to a NATS client that was then closed
+# for good before the server confirmed it (connection_closed).
 GAP_REASONS = (
     "replay_incomplete", "replay_timeout", "no_replay_endpoint", "queue_overflow", "unpublishable", "refused",
-    "malformed", "reordered",
+    "malformed", "reordered", "connection_closed",
 )
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -207,6 +208,10 @@ class Metrics:
         self.nats_connected = Gauge("kvbridge_nats_connected", "1 while connected to NATS.", registry=r)
         self.nats_reconnects = Counter("kvbridge_nats_reconnects_total", "NATS reconnections.", registry=r)
         self.nats_disconnects = Counter("kvbridge_nats_disconnects_total", "NATS disconnections.", registry=r)
+        self.nats_clients_replaced = Counter(
+            "kvbridge_nats_clients_replaced_total",
+            "NATS clients closed for good (a server error, say) and replaced by a new connection.", registry=r,
+        )
         self.publish_errors = Counter(
             "kvbridge_publish_errors_total", "NATS publish attempts that failed (retried).", registry=r
         )
