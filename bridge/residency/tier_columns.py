@@ -125,7 +125,12 @@ class TierColumns:
         self.cap = cap
 
     def held_anywhere(self, i: int) -> bool:
-        return any(tier.held[i] for tier in self.tier_list)
+        # a plain loop: this runs once per removed entry, where a generator's
+        # set-up cost more than the look-ups (bench.index's ingest)
+        for tier in self.tier_list:
+            if tier.held[i]:
+                return True
+        return False
 
     def union_sync(self, grp: Group, i: int, slot: int) -> None:
         """The union's membership of (i, slot), from the group's tiers."""

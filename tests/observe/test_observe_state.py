@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import pytest
 
@@ -202,8 +203,9 @@ async def test_a_digest_chain_is_asked_in_int_form_when_no_digest_is_held() -> N
     ints = await int_form(chain)
     assert ints == [as_int(h) for h in chain] and await int_form(ints) is None
     q = PrefixQuery(chain=[h.hex() for h in chain])
-    assert state.prefix(q, ints, "http")["workers"] == state.prefix(q, list(chain), "http")["workers"]
-    assert state.prefix(q, ints, "http")["workers"][0]["blocks"] == 30
+    now = time.time()  # both asked at one instant, so their staleness agrees too
+    assert state.prefix(q, ints, "http", now)["workers"] == state.prefix(q, list(chain), "http", now)["workers"]
+    assert state.prefix(q, ints, "http", now)["workers"][0]["blocks"] == 30
     state.index.apply(msg([stored(chain[:35])], worker="digests"))
     assert state.index.fleet.holds_digests  # the service then asks with the digests
 
