@@ -106,11 +106,12 @@ def test_sidecar_is_a_native_sidecar(values: Path) -> None:
 
 
 @pytest.mark.parametrize("values", WORKLOAD_FILES, ids=[p.name for p in WORKLOAD_FILES])
-def test_sidecar_probes_never_depend_on_nats(values: Path) -> None:
-    """A native sidecar's readiness gates the pod: no readiness probe at all, and
-    the liveness/startup probes hit /healthz (the bridge's own loop), never /readyz."""
+def test_sidecar_probes_never_restart_it_for_nats(values: Path) -> None:
+    """Readiness is /readyz, so a bridge NATS refuses shows NotReady; the
+    liveness/startup probes hit /healthz (the bridge's own loop), never /readyz:
+    a NATS outage is no reason to restart the sidecar or delay vLLM's start."""
     side = sidecar_of(workload(render(values))["spec"]["template"]["spec"])
-    assert "readinessProbe" not in side
+    assert side["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kvb-metrics"}
     for name in ("startupProbe", "livenessProbe"):
         probe = side[name]
         assert probe["httpGet"]["path"] == "/healthz", name
@@ -119,7 +120,7 @@ def test_sidecar_probes_never_depend_on_nats(values: Path) -> None:
     assert startup["periodSeconds"] <= 2, "vLLM waits for the sidecar's startup probe: keep it fast"
     assert startup.get("initialDelaySeconds", 0) == 0
     assert startup["periodSeconds"] * startup["failureThreshold"] <= 60
-    assert "/readyz" not in json.dumps(side)
+    assert json.dumps({k: v for k, v in side.items() if k != "readinessProbe"}).count("/readyz") == 0
 
 
 @pytest.mark.parametrize("values", WORKLOAD_FILES, ids=[p.name for p in WORKLOAD_FILES])
@@ -425,7 +426,7 @@ def test_sidecar_patch_applies_and_validates(tmp_path: Path) -> None:
     spec = patched["spec"]["template"]["spec"]
     side = sidecar_of(spec)
     assert side["restartPolicy"] == "Always"
-    assert "readinessProbe" not in side
+    assert side["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert [v["name"] for v in spec["volumes"]][:1] == ["cache"], "existing volumes are kept"
     vllm_args = vllm_of(spec)["args"]
     assert vllm_args[-2] == "--kv-events-config"

@@ -55,8 +55,10 @@ def test_observe_without_its_own_uses_the_bridges_access() -> None:
     assert env["KVB_NATS_USER"]["value"] == "bridges" and _secrets(pod) == {"bridge-pw"}
 
 
-def test_sidecar_readiness_on_readyz_when_asked_for() -> None:
-    side = sidecar_of(workload(render(None, "bridge.readinessProbe.enabled=true"))["spec"]["template"]["spec"])
+def test_sidecar_readiness_on_readyz_by_default_and_off_when_asked() -> None:
+    side = sidecar_of(workload(render(None))["spec"]["template"]["spec"])
     assert side["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kvb-metrics"}
     assert side["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert side["startupProbe"]["httpGet"]["path"] == "/healthz"
+    off = sidecar_of(workload(render(None, "bridge.readinessProbe.enabled=false"))["spec"]["template"]["spec"])
+    assert "readinessProbe" not in off and off["livenessProbe"]["httpGet"]["path"] == "/healthz"
