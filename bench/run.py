@@ -638,12 +638,17 @@ Traffic = dict[str, tuple[Path, dict[int, Pool]]]
 
 # Run in another source tree: what its own bridge forwards of each payload
 # (trees differ: a state store with no hash, say, is dropped only by some).
-# Names every tree has had; the traffic is read without bench/.
+# Names every tree has had (the producer's stages moved under bridge/producer/
+# with issue 28); the traffic is read without bench/.
 FORWARDED_CHILD = r"""
 import json, sys
 import msgspec
-from bridge.producer.decode.decoder import BatchDecoder
-from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+try:
+    from bridge.producer.decode.decoder import BatchDecoder
+    from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
+except ImportError:
+    from bridge.decode.decoder import BatchDecoder
+    from bridge.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
 
 pools = msgspec.msgpack.decode(open(sys.argv[1], "rb").read())
 out = {}
