@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -195,9 +196,9 @@ async def _check_scoping(port: int, client: IndexerClient, nc: Any) -> None:
     # The indexer API: per tenant, per instance of the model.
     for model, tenant, instances in (("m1", "t1", {"pod-a"}), ("m1", "t2", {"pod-b"}), ("m2", "t1", {"pod-c"}),
                                      ("m2", "t2", set()), ("m1", None, set())):
-        for ask in (lambda: client.query(TOKENS + [1, 2, 3], BS, model, tenant_id=tenant),
-                    lambda: client.query_by_hash(CHAIN, BS, model, tenant_id=tenant),
-                    lambda: client.query_by_hash(CHAIN, BS, model, tenant_id=tenant, legacy_name=True)):
+        for ask in (partial(client.query, TOKENS + [1, 2, 3], BS, model, tenant_id=tenant),
+                    partial(client.query_by_hash, CHAIN, BS, model, tenant_id=tenant),
+                    partial(client.query_by_hash, CHAIN, BS, model, tenant_id=tenant, legacy_name=True)):
             reply = await anyio.to_thread.run_sync(ask)
             # The tenant the doc defaults to is `default`: no worker of this fleet serves it.
             assert reply.status == 200 and list(reply.hits()) == [tenant or "default"], reply.body
@@ -228,8 +229,8 @@ async def _check_indexer_equals_prefix(port: int, client: IndexerClient) -> None
             _, one_tier = await _prefix(port, model=model, tenant=tenant, media=[vllm_name])
             for (worker, _rank), blocks in _ranks(one_tier).items():
                 want[worker].media[name] = max(want[worker].media[name], blocks * BS)
-        for ask in (lambda: client.query(TOKENS, BS, model, tenant_id=tenant),
-                    lambda: client.query_by_hash(CHAIN, BS, model, tenant_id=tenant)):
+        for ask in (partial(client.query, TOKENS, BS, model, tenant_id=tenant),
+                    partial(client.query_by_hash, CHAIN, BS, model, tenant_id=tenant)):
             reply = await anyio.to_thread.run_sync(ask)
             assert reply.status == 200 and reply.hits() == {tenant: want}, (model, tenant, reply.body)
 
