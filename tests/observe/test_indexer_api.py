@@ -102,6 +102,11 @@ def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, An
         return exc.code, json.loads(exc.read())
 
 
+def _get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:  # noqa: S310 - the test's
+        return resp.read().decode()  # type: ignore[no-any-return]
+
+
 @asynccontextmanager
 async def _fleet(nats_url: str) -> AsyncIterator[Callable[[], None]]:
     """The three bridges and their publishers; yields a function that has
@@ -151,6 +156,11 @@ async def test_models_tenants_and_the_indexer_api(nats_server: NatsServerProcess
         try:
             await _check_scoping(port, client, nc)
             await _check_indexer_equals_prefix(port, client)
+            # Per-worker families carry the worker's model.
+            text = await anyio.to_thread.run_sync(_get, port, "/metrics")
+            for worker, model in (("pod-a", "m1"), ("pod-b", "m1"), ("pod-c", "m2")):
+                assert f'kvobserve_last_seq{{dp_rank="0",model="{model}",worker="{worker}"}}' in text
+            assert 'kvobserve_prefix_blocks_total{model="m2",rule="hybrid",worker="pod-c"}' in text
         finally:
             await nc.close()
         tg.cancel_scope.cancel()
