@@ -175,6 +175,10 @@ def _ranks(answer: dict[str, Any]) -> dict[tuple[str, int], int]:
 
 
 async def _check_scoping(port: int, client: IndexerClient, nc: Any) -> None:
+    listed = json.loads(await anyio.to_thread.run_sync(_get, port, "/v1/workers"))["workers"]
+    assert {(w["worker"], w["dp_rank"], w["model"], w["tenant"]) for w in listed} == {
+        (worker, rank, model, tenant) for (worker, model, tenant), ranks in FLEET.items() for rank in ranks}
+
     # No model on a two-model fleet: refused, the models listed, on every API.
     status, body = await _prefix(port)
     assert status == 400 and body["models"] == ["m1", "m2"] and "m1, m2" in body["error"]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from bridge.apps.fleet import ObserveOptions, ObserveService
 from bridge.apps.fleet.indexer import decode_by_hash, decode_by_tokens
 from bridge.apps.fleet.query import MAX_CHAIN, MAX_TOKENS, QueryError, query_chain
 from bridge.apps.fleet.scope import ModelMissing, Scope, out_of_scope
@@ -101,6 +102,8 @@ async def test_the_doc_defaults_and_names() -> None:
     assert await query_chain(iq.prefix) == [7, 8]
     iq = await decode_by_hash(_body(seq_hashes=[9], tenant_id="t", instance_id="pod-a", lora_name="sql"), _nothing)
     assert iq.scope == Scope(model="m", tenant="t", instance="pod-a")
+    iq = await decode_by_hash(_body(seq_hashes=[9], tenant_id="", instance_id="", lora_name=""), _nothing)
+    assert iq.scope == Scope(model="m", tenant="default")  # empty: the defaults
 
 
 async def test_token_ids_hash_as_vllm_with_lora_and_salt_and_only_whole_blocks() -> None:
@@ -109,3 +112,13 @@ async def test_token_ids_hash_as_vllm_with_lora_and_salt_and_only_whole_blocks()
                                               cache_salt="s"), _nothing)
     assert await query_chain(iq.prefix, tokens=packed) == ChainHasher(4).chain(
         tokens, lora=("sql", "/a/sql"), cache_salt="s")  # 2 blocks: the last 2 tokens make none
+
+
+async def test_not_ready_answers_503_and_registration_is_on_nats() -> None:
+    service = ObserveService(ObserveOptions(http_host="127.0.0.1", http_port=0))
+    for path in ("/query", "/query_by_hash"):
+        status, _, body = await service.route("POST", path, _body(seq_hashes=[1]))
+        assert status == 503 and json.loads(body)["error"].startswith("not ready")
+    for path in ("/register", "/unregister"):
+        status, _, body = await service.route("POST", path, b'{"instance_id": "pod-a"}')
+        assert status == 501 and "NATS" in json.loads(body)["error"]

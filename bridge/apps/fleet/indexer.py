@@ -98,10 +98,10 @@ def _scoped(head: _Scoped, by_tokens: bool) -> tuple[PrefixQuery, Scope, int]:
                 raise QueryError("token ids of a LoRA request are hashed with the adapter's name and path: "
                                  "give 'lora_path' too, or ask /query_by_hash")
             lora = (lora_name, head.lora_path)
+    tenant = head.tenant_id or DEFAULT_TENANT  # empty: the doc's default
     q = PrefixQuery(block_size=head.block_size, algo=head.algo, seed=head.seed, lora=lora,
-                    cache_salt=head.cache_salt or None, model=head.model or None, tenant=head.tenant_id,
-                    limit=0)
-    return q, Scope(q.model, head.tenant_id, head.instance_id or None), head.block_size
+                    cache_salt=head.cache_salt or None, model=head.model or None, tenant=tenant)
+    return q, Scope(q.model, tenant, head.instance_id or None), head.block_size
 
 
 async def decode_by_tokens(body: bytes, checkpoint: Checkpoint) -> tuple[IndexerQuery, Sequence[int]]:

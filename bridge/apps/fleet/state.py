@@ -154,7 +154,7 @@ class ObserveState:
         `spent`: seconds already spent on it (decoding, hashing)."""
         t0 = time.perf_counter()
         now = time.time() if now is None else now
-        skip = self.skipped(Scope(q.model, q.tenant), q.include_dead, now)
+        skip = self.skipped(Scope(q.model or None, q.tenant), q.include_dead, now)  # an empty model names none
         # Stopped ranks are left out like dead ones, unless asked for.
         matches = self.index.longest_prefix(chain, media=q.media, include_suspect=q.include_suspect,
                                             include_unwatched=q.include_dead, skip_workers=skip)
