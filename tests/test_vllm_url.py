@@ -104,18 +104,21 @@ def test_vllm_url_and_endpoint_flags_are_one_or_the_other(extra: list[str], flag
 
 class StandIn:
     """An HTTP server answering /kv_event_sources with whatever `answer` holds
-    (None: 404, as a vLLM older than 0.31.0)."""
+    (None: 404, as a vLLM older than 0.31.0), and /v1/models with `models`
+    (None: 404)."""
 
     def __init__(self, port: int) -> None:
         self.answer: dict[str, Any] | None = {}
+        self.models: dict[str, Any] | None = None
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path != "/kv_event_sources" or stand_in.answer is None:
+                answer = {"/kv_event_sources": stand_in.answer, "/v1/models": stand_in.models}.get(self.path)
+                if answer is None:
                     self.send_error(404)
                     return
-                body = json.dumps(stand_in.answer).encode()
+                body = json.dumps(answer).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

@@ -49,6 +49,7 @@ from bridge.contract.messages import (
 from bridge.contract.registry import (
     DEFAULT_BUCKET,
     DEFAULT_DEAD_AFTER,
+    DEFAULT_TENANT,
     REGISTRY_VERSION,
     GroupInfo,
     Liveness,
@@ -72,7 +73,7 @@ from bridge.contract.subjects import (
 )
 
 __all__ = [
-    "ATTENTION", "DEFAULT_BUCKET", "DEFAULT_DEAD_AFTER", "DEFAULT_FORMAT", "DEFAULT_STREAM", "FAMILIES",
+    "ATTENTION", "DEFAULT_BUCKET", "DEFAULT_DEAD_AFTER", "DEFAULT_FORMAT", "DEFAULT_TENANT", "DEFAULT_STREAM", "FAMILIES",
     "FAMILY_OF_KIND", "FORMATS", "GPU_MEDIUM", "HDR_EPOCH", "HDR_FAMILY", "HDR_FORMAT", "HDR_KIND", "HDR_MSG_ID",
     "HDR_RECORD", "HDR_SEQ", "LEGACY_KIND", "MAX_GROUP_ID", "MAX_WORKER_ID_BYTES", "OTHER", "REGISTRY_VERSION",
     "SCHEMA_VERSION", "STATE", "UNKNOWN_KIND", "WINDOW", "WORKER_TOKEN", "AllBlocksCleared", "BlockHash",

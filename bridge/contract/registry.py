@@ -8,6 +8,11 @@ token (`worker_token(worker, 0)`) with `~` written as `=`, because KV keys allow
 injective. Value: a `WorkerEntry` as JSON, so `nats kv get kv_workers <key>` is
 readable.
 
+`model` is what the worker serves (the bridge's `--model`, or vLLM's
+`/v1/models`; empty: not known) and `tenant` whom it serves (`--tenant`).
+Both are the worker's own say about itself, trusted as its key is: an entry
+written before `tenant` existed decodes as tenant `default`.
+
 A reader calls a worker dead when `now - heartbeat_ts > dead_after ×
 heartbeat_interval` (the entry carries its own interval, so readers need no
 configuration), and stopped when the bridge wrote `state="stopped"` on exit.
@@ -24,6 +29,7 @@ from bridge.contract.subjects import worker_token
 
 DEFAULT_BUCKET: Final = "kv_workers"
 REGISTRY_VERSION: Final = 1
+DEFAULT_TENANT: Final = "default"
 DEFAULT_DEAD_AFTER: Final = 3.0
 
 Liveness = Literal["alive", "dead", "stopped"]
@@ -49,6 +55,7 @@ class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     worker: str
     topic: str = ""
     model: str = ""
+    tenant: str = DEFAULT_TENANT  # omitted on the wire when default, as entries before it were
     subject_prefix: str = "kv"
     ranks: list[RankInfo]
     groups: list[GroupInfo]

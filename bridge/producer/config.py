@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, parse_group_kind, validate_worker_id, worker_token
+from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, DEFAULT_TENANT, parse_group_kind, validate_worker_id, worker_token
 from bridge.contract.snapshot import DEFAULT_SNAPSHOT_BUCKET
 from bridge.producer.source.discovery import Source
 from bridge.runtime.access import (
@@ -45,6 +45,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--dp-ranks", "int", 1, "Data-parallel ranks behind each endpoint; rank r listens on port + r, as vLLM offsets them."),
     Option("--topic", "str", "", "vLLM's kv-events topic (ZMQ subscription prefix)."),
     Option("--worker-id", "str", "", "Worker id in subjects and payloads. Default: $POD_NAME, else the host name."),
+    Option("--model", "str", "",
+           "The model vLLM serves, as routers name it, put in the worker's registry entry: consumers answer a query for a model only with its workers. Default with --vllm-url: the id vLLM's /v1/models lists; else none."),
+    Option("--tenant", "str", DEFAULT_TENANT, "The tenant the worker serves, put in its registry entry (the indexer API's tenant_id)."),
     NATS_URL,
     SUBJECT_PREFIX,
     Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
@@ -100,6 +103,9 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 
+# A model or tenant name: a Hugging Face repo id or a path is far shorter.
+MAX_NAME = 1024
+
 _DEFAULTS: dict[str, Any] = {opt.dest: opt.default for opt in OPTIONS}
 
 
@@ -113,6 +119,8 @@ class Settings(NatsAccess, frozen=True):
     dp_ranks: int
     topic: str
     worker_id: str
+    model: str
+    tenant: str
     format: str
     group_kind: dict[int, str]
     prompt_data: str
@@ -223,6 +231,9 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
         values["worker_id"] = validate_worker_id(worker)
     except ValueError as exc:
         raise ConfigError("--worker-id", str(exc)) from None
+    check(bool(values["tenant"]), "--tenant", "must not be empty")
+    check(len(values["model"]) <= MAX_NAME, "--model", f"takes at most {MAX_NAME} characters")
+    check(len(values["tenant"]) <= MAX_NAME, "--tenant", f"takes at most {MAX_NAME} characters")
     check_prefix(values["subject_prefix"])
     if not values["nats_inbox_prefix"]:
         # The name `kv-bridge nats-permissions` gives this bridge's user.

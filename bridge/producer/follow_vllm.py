@@ -6,6 +6,10 @@ nothing (the subscribers reconnect and the restart is seen by its seq); one
 that lists other endpoints (ports bound as 0, a new rank count) ends the
 bridge's run, as a SIGTERM would (drained, stop records published), and
 starts it again on the new list.
+
+Without `--model`, the worker's model is the one vLLM serves: the first base
+model (no `parent`) its OpenAI-compatible `GET /v1/models` lists, read at
+each start of the bridge's run.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import structlog
 
 from bridge.producer.config import Settings
 from bridge.producer.service import Bridge
-from bridge.producer.source.discovery import DiscoveryError, RouteMissing, Source, read_sources, wait_for_sources
+from bridge.producer.source.discovery import (
+    DiscoveryError,
+    RouteMissing,
+    Source,
+    fetch,
+    read_sources,
+    wait_for_sources,
+)
 from bridge.runtime.stopping import stop_on_signal
 
 log = structlog.get_logger("bridge.producer.follow_vllm")
@@ -24,6 +35,43 @@ log = structlog.get_logger("bridge.producer.follow_vllm")
 # Exit status when the URL answers but has no /kv_event_sources: a
 # configuration error, like a bad flag (argparse's status).
 EXIT_NO_ROUTE = 2
+
+
+MODELS_ROUTE = "/v1/models"
+
+
+class _Model(msgspec.Struct):
+    id: str
+    parent: str | None = None  # set for a LoRA adapter vLLM serves beside its base model
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model] = []
+
+
+def parse_models(body: bytes) -> str:
+    """The model an OpenAI-compatible `/v1/models` answer names: its first
+    base model, else its first entry; '' for none. DiscoveryError when the
+    answer is not one."""
+    try:
+        models = msgspec.json.decode(body, type=_Models).data
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DiscoveryError(f"not an OpenAI /v1/models answer: {exc}") from None
+    base = [m.id for m in models if m.parent is None]
+    return (base or [m.id for m in models] or [""])[0]
+
+
+async def served_model(url: str, timeout: float = 5.0) -> str:
+    """The model vLLM at `url` serves ('' when it does not say: logged)."""
+    try:
+        body = await anyio.to_thread.run_sync(fetch, url, timeout, MODELS_ROUTE, abandon_on_cancel=True)
+        model = parse_models(body)
+    except (OSError, DiscoveryError, RouteMissing) as exc:
+        log.warning("vllm_model_unknown", url=url, error=f"{type(exc).__name__}: {exc}",
+                    hint="give --model so consumers can tell this worker's model")
+        return ""
+    log.info("vllm_model", url=url, model=model)
+    return model
 
 
 class _Round:
@@ -101,7 +149,8 @@ async def follow(settings: Settings, *, handle_signals: bool = True) -> int:
                 rc = EXIT_NO_ROUTE
             if not isinstance(sources, list):
                 break
-            planned = msgspec.structs.replace(settings, sources=sources, topic=sources[0].topic)
+            model = settings.model or await served_model(settings.vllm_url)
+            planned = msgspec.structs.replace(settings, sources=sources, topic=sources[0].topic, model=model)
             end_run = anyio.Event()
             round_ = _Round()
             async with anyio.create_task_group() as run:

@@ -85,7 +85,7 @@ class Bridge:
         return self.catalog.entry(
             worker=s.worker_id, topic=s.topic, subject_prefix=s.subject_prefix,
             ranks=[rank for rank, _, _ in s.stream_endpoints()], started_at=self.started_at,
-            heartbeat_interval=s.heartbeat_interval,
+            heartbeat_interval=s.heartbeat_interval, model=s.model, tenant=s.tenant,
         )
 
     async def _start_registry(self, tg: anyio.abc.TaskGroup) -> None:

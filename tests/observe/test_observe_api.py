@@ -91,13 +91,13 @@ async def test_prefix_over_http_and_nats(nats_server: NatsServerProcess) -> None
             service.refresh_hybrid()
             _, metrics = await _http(port, "GET", "/metrics")
             text = metrics.decode()
-            assert 'kvobserve_hybrid_attention_blocks{dp_rank="0",worker="pod-a"} 5.0' in text
+            assert 'kvobserve_hybrid_attention_blocks{dp_rank="0",model="",worker="pod-a"} 5.0' in text
             # of 5 attention blocks only block 3 is held by the window and checkpointed by the state group
-            assert 'kvobserve_hybrid_resumable_ratio{dp_rank="0",worker="pod-a"} 0.2' in text
+            assert 'kvobserve_hybrid_resumable_ratio{dp_rank="0",model="",worker="pod-a"} 0.2' in text
             assert 'kvobserve_prefix_queries_total{result="hit",transport="http"} 2.0' in text
             assert 'kvobserve_prefix_queries_total{result="hit",transport="nats"} 1.0' in text
-            assert 'kvobserve_prefix_blocks_total{rule="attention",worker="pod-a"} 15.0' in text
-            assert 'kvobserve_prefix_blocks_total{rule="hybrid",worker="pod-a"} 9.0' in text
+            assert 'kvobserve_prefix_blocks_total{model="",rule="attention",worker="pod-a"} 15.0' in text
+            assert 'kvobserve_prefix_blocks_total{model="",rule="hybrid",worker="pod-a"} 9.0' in text
             tg.cancel_scope.cancel()
     finally:
         publisher.close()

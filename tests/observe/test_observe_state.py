@@ -187,7 +187,7 @@ async def test_a_block_in_two_tiers_counts_once() -> None:
     hybrid = HybridCache()
     hybrid.values = {("w", 0): (held, taken, ok)}
     text = render(make_registry(state, hybrid, 10)).decode()
-    assert 'kvobserve_hybrid_attention_blocks{dp_rank="0",worker="w"} 15.0' in text
+    assert 'kvobserve_hybrid_attention_blocks{dp_rank="0",model="",worker="w"} 15.0' in text
 
 
 async def test_a_digest_chain_is_asked_in_int_form_when_no_digest_is_held() -> None:

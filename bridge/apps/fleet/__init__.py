@@ -1,7 +1,8 @@
 """`kv-bridge observe`: a long-running consumer service. It follows
 `<prefix>.>` and the worker registry, keeps the residency index, and serves
 the cluster's state on /metrics, the router-facing API (GET /v1/workers,
-POST /v1/prefix) over HTTP and as a NATS micro service, /healthz and /readyz.
+POST /v1/prefix) over HTTP and as a NATS micro service, the Mooncake
+Conductor indexer API (POST /query, /query_by_hash), /healthz and /readyz.
 docs/observe.md has the API and the metrics."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Follows the bus and the worker registry, keeps the residency index and serves /metrics "
                     "(resident blocks by worker, group, family and medium; rates; duplication; hybrid effect; "
                     "gaps, lag, staleness), GET /v1/workers, POST /v1/prefix, the same query as a NATS micro "
-                    "service, /healthz and /readyz. SIGTERM or Ctrl-C stops it.",
+                    "service, the indexer API (POST /query, /query_by_hash), /healthz and /readyz. "
+                    "SIGTERM or Ctrl-C stops it.",
     )
     add_observe_arguments(parser)
     add_access_arguments(parser)

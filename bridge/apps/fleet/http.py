@@ -1,6 +1,6 @@
 """`kv-bridge observe`'s HTTP endpoints on the shared small server
-(`bridge.runtime.http`): /metrics, /healthz, /readyz, GET /v1/workers and
-POST /v1/prefix (JSON). The routes live in the service; this module holds
+(`bridge.runtime.http`): /metrics, /healthz, /readyz, GET /v1/workers,
+POST /v1/prefix, and the indexer API's POST /query and /query_by_hash (JSON). The routes live in the service; this module holds
 what a request may cost."""
 
 from __future__ import annotations

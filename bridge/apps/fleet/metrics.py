@@ -1,6 +1,7 @@
 """`kv-bridge observe`'s /metrics: the cluster's state, read from the index at
 scrape time (counters the index keeps, no per-hash work), with bounded
-cardinality: labels are worker, dp_rank, group, family, medium, layer and a
+cardinality: labels are worker, model (one per worker: its registry
+entry's), dp_rank, group, family, medium, layer and a
 few fixed enums; never a hash or a request. Past `max_workers` worker ranks
 the per-worker families stop listing more (`kvobserve_unlisted_worker_ranks`
 says how many were left out); fleet-wide families still count everything."""
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from bridge import __version__
+from bridge.apps.fleet.scope import model_of
 from bridge.apps.fleet.state import ObserveState
 from bridge.residency.views import WorkerKey, WorkerView
 
@@ -60,6 +62,12 @@ class ObserveCollector(Collector):
         intr.add_metric([], index.interruptions)
         yield intr
 
+        registered = st.entries()
+
+        def model(worker: str) -> str:
+            """The worker's model, from its registry entry ('' when unknown)."""
+            return model_of(registered.get(worker))
+
         views = sorted(index, key=lambda v: v.key)
         listed = views[: self.max_workers]
         keys = {v.key for v in listed}
@@ -74,13 +82,13 @@ class ObserveCollector(Collector):
         resident = GaugeMetricFamily(
             "kvobserve_resident_blocks",
             "Distinct block hashes held, per worker rank, group, family, medium and layer (trusted, suspect).",
-            labels=["worker", "dp_rank", "group", "family", "medium", "layer"])
+            labels=["worker", "model", "dp_rank", "group", "family", "medium", "layer"])
         fleet = getattr(index, "fleet", None)
         counts = fleet.resident_counts() if fleet is not None else _view_counts(listed)
         for c in counts:
             if WorkerKey(c.worker, c.dp_rank) not in keys:
                 continue
-            base = [c.worker, str(c.dp_rank), str(c.group), c.family, c.medium]
+            base = [c.worker, model(c.worker), str(c.dp_rank), str(c.group), c.family, c.medium]
             resident.add_metric([*base, "trusted"], c.trusted)
             resident.add_metric([*base, "suspect"], c.suspect)
         yield resident
@@ -104,30 +112,30 @@ class ObserveCollector(Collector):
         yield entries
 
         stored = CounterMetricFamily("kvobserve_stored_blocks", "Block hashes stored, per worker rank and group "
-                                     "(since the view's last reset).", labels=["worker", "dp_rank", "group", "family"])
+                                     "(since the view's last reset).", labels=["worker", "model", "dp_rank", "group", "family"])
         removed = CounterMetricFamily("kvobserve_removed_blocks", "Block hashes removed (known or not), per worker "
-                                      "rank and group.", labels=["worker", "dp_rank", "group", "family"])
+                                      "rank and group.", labels=["worker", "model", "dp_rank", "group", "family"])
         per = {
             "gaps": ("Gap records seen.", "gaps"),
             "restarts": ("Restarts seen (a new vLLM process).", "restarts"),
             "clears": ("Cleared records seen.", "clears"),
             "duplicates_ignored": ("Group messages ignored as copies.", "duplicates_ignored"),
         }
-        per_families = {name: CounterMetricFamily(f"kvobserve_{name}", doc, labels=["worker", "dp_rank"])
+        per_families = {name: CounterMetricFamily(f"kvobserve_{name}", doc, labels=["worker", "model", "dp_rank"])
                         for name, (doc, _) in per.items()}
         lag = GaugeMetricFamily("kvobserve_lag_seconds", "Receive time minus vLLM's batch ts, last batch.",
-                                labels=["worker", "dp_rank"])
+                                labels=["worker", "model", "dp_rank"])
         staleness = GaugeMetricFamily("kvobserve_staleness_seconds", "Seconds since the last message of the worker "
-                                      "rank.", labels=["worker", "dp_rank"])
+                                      "rank.", labels=["worker", "model", "dp_rank"])
         stale = GaugeMetricFamily("kvobserve_stale", "1 while the view holds suspect entries (a gap since its "
                                   "reset) or is partial (started without a whole snapshot).",
-                                  labels=["worker", "dp_rank"])
+                                  labels=["worker", "model", "dp_rank"])
         watching = GaugeMetricFamily("kvobserve_watching", "1 while the worker's bridge watches it.",
-                                     labels=["worker", "dp_rank"])
+                                     labels=["worker", "model", "dp_rank"])
         last_seq = GaugeMetricFamily("kvobserve_last_seq", "vLLM batch seq of the last message.",
-                                     labels=["worker", "dp_rank"])
+                                     labels=["worker", "model", "dp_rank"])
         for v in listed:
-            wl = [v.key.worker, str(v.key.dp_rank)]
+            wl = [v.key.worker, model(v.key.worker), str(v.key.dp_rank)]
             for group, g in sorted(v.groups.items()):
                 gl = [*wl, str(group), g.family]
                 stored.add_metric(gl, g.stored)
@@ -151,16 +159,16 @@ class ObserveCollector(Collector):
 
         att = GaugeMetricFamily("kvobserve_hybrid_attention_blocks", "Distinct attention-group blocks held "
                                 "(trusted, in any tier: a block on GPU and CPU counts once), per worker rank.",
-                                labels=["worker", "dp_rank"])
+                                labels=["worker", "model", "dp_rank"])
         ratio = GaugeMetricFamily(
             "kvobserve_hybrid_resumable_ratio",
             "Of the attention group's blocks, the share where every window and state group of the worker can "
-            "resume too (sampled): the hybrid effect.", labels=["worker", "dp_rank"])
+            "resume too (sampled): the hybrid effect.", labels=["worker", "model", "dp_rank"])
         for (worker, rank), (held, taken, ok) in sorted(self.hybrid.values.items()):
             if (worker, rank) not in keys:
                 continue
-            att.add_metric([worker, str(rank)], held)
-            ratio.add_metric([worker, str(rank)], ok / taken if taken else 0.0)
+            att.add_metric([worker, model(worker), str(rank)], held)
+            ratio.add_metric([worker, model(worker), str(rank)], ok / taken if taken else 0.0)
         yield att
         yield ratio
 
@@ -189,11 +197,11 @@ class ObserveCollector(Collector):
         yield qs
         pb = CounterMetricFamily(
             "kvobserve_prefix_blocks", "Blocks of queried chains a worker could reuse: by its attention group "
-            "alone (rule=attention) and by the hybrid rule (rule=hybrid).", labels=["worker", "rule"])
+            "alone (rule=attention) and by the hybrid rule (rule=hybrid).", labels=["worker", "model", "rule"])
         listed_workers = {k.worker for k in keys}
         for (worker, rule), n in sorted(st.prefix_blocks.items()):
             if worker in listed_workers:
-                pb.add_metric([worker, rule], n)
+                pb.add_metric([worker, model(worker), rule], n)
         yield pb
 
 

@@ -29,7 +29,7 @@ SLICE_BYTES = 64 * 1024
 SLICE_TOKENS = 16_384
 SLICE_BLOCKS = 1024
 
-# msgspec takes bounds within int64 only: the 64-bit top is checked after decoding (`_check_range`).
+# msgspec takes bounds within int64 only: the 64-bit top is checked after decoding (`check_range`).
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 BlockSize = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -53,6 +53,9 @@ class QueryOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_dead: bool = False
     min_blocks: U64 = 1
     limit: U64 = DEFAULT_LIMIT
+    # The workers it is about (bridge.apps.fleet.scope): None, any.
+    model: str | None = None
+    tenant: str | None = None
 
 
 class PrefixQuery(QueryOptions):
@@ -75,6 +78,7 @@ class _Head(QueryOptions):
 _head = msgspec.json.Decoder(_Head)
 _chain_items = msgspec.json.Decoder(list[U64 | str])
 _token_items = msgspec.json.Decoder(list[U64])
+CHAIN, TOKENS = "chain", "token_ids"  # the two bounds' names
 
 
 def usable_algos() -> tuple[str, ...]:
@@ -90,7 +94,7 @@ def usable_algos() -> tuple[str, ...]:
 
 
 async def _array(raw: bytes, field: str, decoder: msgspec.json.Decoder[Any], out: MutableSequence[Any],
-                 bound: Callable[[int], bool], checkpoint: Checkpoint) -> bool:
+                 bound: Callable[[int], bool], checkpoint: Checkpoint, kind: str) -> bool:
     """A JSON array of scalars into `out`, decoded in slices cut at commas
     (its items hold none: ints and hex strings). False for an absent or null
     field."""
@@ -118,42 +122,61 @@ async def _array(raw: bytes, field: str, decoder: msgspec.json.Decoder[Any], out
         except OverflowError:  # a packed array refuses what is past 64 bits
             raise QueryError(f"'{field}': an integer past 64 bits") from None
         if bound(len(out)):
-            raise QueryError(f"'{field}' is over its bound ({_bound_text(field)})")
+            raise QueryError(f"'{field}' is over its bound ({_bound_text(kind)})")
         pos = end + 1
         if pos <= n:
             await checkpoint()
     return True
 
 
-def _bound_text(field: str) -> str:
-    if field == "chain":
+def _bound_text(kind: str) -> str:
+    if kind == CHAIN:
         return f"at most {MAX_CHAIN} blocks"
     return f"at most {MAX_TOKENS} token ids, making at most {MAX_CHAIN} blocks"
 
 
-async def decode_query(body: bytes, checkpoint: Checkpoint) -> tuple[PrefixQuery, Sequence[int] | None]:
-    """The query in `body`, its long arrays decoded between checkpoints; its
-    token ids apart, packed (8 bytes each), not in the struct."""
+def decode_head(body: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
+    """A query's small fields, its long arrays left as msgspec.Raw."""
     try:
-        head = _head.decode(body)
+        return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # deep nesting: RecursionError
         raise QueryError(f"bad query: {exc}") from None
+
+
+async def decode_chain(raw: msgspec.Raw, field: str, checkpoint: Checkpoint) -> list[int | str] | None:
+    """A chain of block hashes (ints, hex strings) named `field`, within its
+    bound, decoded between checkpoints; None when absent."""
     chain: list[int | str] = []
-    has_chain = await _array(bytes(head.chain), "chain", _chain_items, chain, lambda n: n > MAX_CHAIN, checkpoint)
-    bs = head.block_size or 1
+    found = await _array(bytes(raw), field, _chain_items, chain, lambda n: n > MAX_CHAIN, checkpoint, CHAIN)
+    return chain if found else None
+
+
+async def decode_tokens(raw: msgspec.Raw, field: str, block_size: int | None,
+                        checkpoint: Checkpoint) -> Sequence[int] | None:
+    """Token ids named `field`, within their bound at `block_size`, packed
+    (8 bytes each) and decoded between checkpoints; None when absent."""
+    bs = block_size or 1
 
     def too_many_tokens(n: int) -> bool:
         return n > MAX_TOKENS or n // bs > MAX_CHAIN
 
     tokens = array("Q")
-    has_tokens = await _array(bytes(head.token_ids), "token_ids", _token_items, tokens, too_many_tokens, checkpoint)
+    found = await _array(bytes(raw), field, _token_items, tokens, too_many_tokens, checkpoint, TOKENS)
+    return tokens if found else None
+
+
+async def decode_query(body: bytes, checkpoint: Checkpoint) -> tuple[PrefixQuery, Sequence[int] | None]:
+    """The query in `body`, its long arrays decoded between checkpoints; its
+    token ids apart, packed (8 bytes each), not in the struct."""
+    head: _Head = decode_head(body, _head)
+    chain = await decode_chain(head.chain, "chain", checkpoint)
+    tokens = await decode_tokens(head.token_ids, "token_ids", head.block_size, checkpoint)
     fields = {f: getattr(head, f) for f in QueryOptions.__struct_fields__}
-    _check_range(head.block_size, head.min_blocks, head.limit)
-    return PrefixQuery(chain=chain if has_chain else None, token_ids=[] if has_tokens else None,
-                       **fields), (tokens if has_tokens else None)
+    check_range(head.block_size, head.min_blocks, head.limit)
+    return PrefixQuery(chain=chain, token_ids=[] if tokens is not None else None, **fields), tokens
 
 
-def _check_range(*values: int | None) -> None:
+def check_range(*values: int | None) -> None:
     if any(v is not None and v > U64_MAX for v in values):
         raise QueryError("'block_size', 'min_blocks' and 'limit' are unsigned 64-bit integers")
 
@@ -184,7 +207,7 @@ async def query_chain(q: PrefixQuery, checkpoint: Checkpoint = _nothing, algos: 
     compute."""
     if (q.chain is None) == (q.token_ids is None):
         raise QueryError("give exactly one of 'chain' and 'token_ids'")
-    _check_range(q.block_size, q.min_blocks, q.limit)
+    check_range(q.block_size, q.min_blocks, q.limit)
     if q.chain is not None:
         if len(q.chain) > MAX_CHAIN:
             raise QueryError(f"chain longer than {MAX_CHAIN} blocks")

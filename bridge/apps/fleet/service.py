@@ -17,16 +17,18 @@ import structlog
 from nats.micro.request import Request
 
 from bridge import __version__
+from bridge.apps.fleet import indexer
 from bridge.apps.fleet.http import Response, serve_http
 from bridge.apps.fleet.metrics import HybridCache, make_registry, render
 from bridge.apps.fleet.options import ObserveOptions
 from bridge.apps.fleet.query import QueryError, decode_query, int_form, query_chain, usable_algos
+from bridge.apps.fleet.scope import ModelMissing
 from bridge.apps.fleet.state import ObserveState, hybrid_effect, hybrid_steps
 from bridge.client.bootstrap import BootstrapOptions
 from bridge.client.connection import BusConnection
 from bridge.client.registry import RegistryFollower, declare_entry
 from bridge.client.subscribe import BusMessage, BusSubscriber
-from bridge.contract import WorkerRecord
+from bridge.contract import BlockHash, WorkerRecord
 from bridge.contract.snapshot import RankSnapshot
 from bridge.contract.subjects import parse_worker_token
 from bridge.residency.views import WorkerKey
@@ -39,6 +41,13 @@ SERVICE_NAME = "kv-observe"
 _JSON = "application/json"
 _OPEN_POLL_S = 0.01  # how often run() looks whether the bootstrap is applied
 LIVE_WITHIN_S = 10.0  # /healthz fails when the ticker has not run for this long
+_INDEXER_QUERIES = ("/query", "/query_by_hash")
+_ANSWERED_WHEN_READY = ("/v1/prefix", "/v1/workers", *_INDEXER_QUERIES)
+# The indexer API's registration: this indexer is fed by the bus, where each
+# engine's bridge registers its worker; no request here can change that.
+_REGISTRATION = ("/register", "/unregister")
+REGISTRATION_ON_NATS = ("not implemented: this indexer is fed by NATS, where each engine's bridge "
+                        "(kv-bridge run) registers its worker; run one beside the engine instead")
 
 
 def _json(obj: Any) -> bytes:
@@ -47,6 +56,14 @@ def _json(obj: Any) -> bytes:
 
 def _error(status: int, why: str) -> Response:
     return status, _JSON, _json({"error": why})
+
+
+def _query_error(exc: QueryError) -> Response:
+    """A 400; one refused for want of a model lists the fleet's models."""
+    body: dict[str, Any] = {"error": str(exc)}
+    if isinstance(exc, ModelMissing):
+        body["models"] = exc.models
+    return 400, _JSON, _json(body)
 
 
 async def _checkpoint() -> None:
@@ -71,6 +88,34 @@ class ObserveService:
 
     # -- answers -----------------------------------------------------------
 
+    async def answer_indexer(self, body: bytes, by_hash: bool) -> Response:
+        """An indexer API query's reply (`/query`, `/query_by_hash`); never
+        raises, like answer_prefix."""
+        try:
+            async with self._queries:
+                t0 = time.perf_counter()
+                if by_hash:
+                    iq, tokens = await indexer.decode_by_hash(body, _checkpoint), None
+                else:
+                    iq, tokens = await indexer.decode_by_tokens(body, _checkpoint)
+                chain = await self._lookup_form(await query_chain(iq.prefix, _checkpoint, self.algos, tokens))
+                answer = indexer.answer(self.state, iq, chain, "http", spent=time.perf_counter() - t0)
+            return 200, _JSON, _json(answer)
+        except QueryError as exc:
+            self.state.queries[("http", "error")] += 1
+            return _query_error(exc)
+        except Exception:  # one bad query must not take the service down
+            log.exception("indexer_query_failed", by_hash=by_hash)
+            self.state.queries[("http", "error")] += 1
+            return _error(500, "internal error")
+
+    async def _lookup_form(self, chain: list[BlockHash]) -> list[BlockHash]:
+        """The chain in the form the index matches fastest."""
+        ints = await int_form(chain, _checkpoint)
+        if ints is not None and not self.state.index.fleet.holds_digests:
+            return ints  # the same answer, without matching both forms block by block
+        return chain
+
     async def answer_prefix(self, body: bytes, transport: str) -> Response:
         """A prefix query's reply; never raises (an unexpected failure is a 500
         with a JSON body, logged)."""
@@ -78,16 +123,13 @@ class ObserveService:
             async with self._queries:
                 t0 = time.perf_counter()
                 q, tokens = await decode_query(body, _checkpoint)
-                chain = await query_chain(q, _checkpoint, self.algos, tokens)
-                ints = await int_form(chain, _checkpoint)
+                chain = await self._lookup_form(await query_chain(q, _checkpoint, self.algos, tokens))
                 # The lookup runs in one go, on a view no message changes meanwhile.
-                if ints is not None and not self.state.index.fleet.holds_digests:
-                    chain = ints  # the same answer, without matching both forms block by block
                 answer = self.state.prefix(q, chain, transport, spent=time.perf_counter() - t0)
             return 200, _JSON, _json(answer)
         except QueryError as exc:
             self.state.queries[(transport, "error")] += 1
-            return _error(400, str(exc))
+            return _query_error(exc)
         except Exception:  # one bad query must not take the service down
             log.exception("prefix_query_failed", transport=transport)
             self.state.queries[(transport, "error")] += 1
@@ -112,8 +154,14 @@ class ObserveService:
             return _error(500, "internal error")
 
     async def _route(self, method: str, path: str, body: bytes) -> Response:
-        if path in ("/v1/prefix", "/v1/workers") and not self.bootstrapped():
+        if path in _ANSWERED_WHEN_READY and not self.bootstrapped():
             return _error(503, "not ready: bootstrapping")
+        if path in _INDEXER_QUERIES:
+            if method != "POST":
+                return _error(405, "POST a JSON query")
+            return await self.answer_indexer(body, by_hash=path == "/query_by_hash")
+        if path in _REGISTRATION:
+            return _error(501, REGISTRATION_ON_NATS)
         if path == "/v1/prefix":
             if method != "POST":
                 return _error(405, "POST a JSON query")
@@ -220,8 +268,10 @@ class ObserveService:
             if status == 200 and len(out) + 256 > nc.max_payload:
                 status, out = 413, _json({"error": "answer over the server's max_payload: ask over HTTP"})
             if status != 200:
-                why = "".join(c if " " <= c <= "~" else "?" for c in str(json.loads(out)["error"])[:200])
-                await req.respond_error(str(status), why, data=_json({"error": why}))
+                body = json.loads(out)
+                why = "".join(c if " " <= c <= "~" else "?" for c in str(body["error"])[:200])
+                body["error"] = why
+                await req.respond_error(str(status), why, data=_json(body))
             else:
                 await req.respond(out)
 

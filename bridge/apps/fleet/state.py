@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import Any
 
 from bridge.apps.fleet.query import MAX_CHAIN, PrefixQuery, QueryError
+from bridge.apps.fleet.scope import Scope, model_of, out_of_scope, tenant_of
 from bridge.client.registry import RegistryFollower
-from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
+from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash, WorkerEntry
 from bridge.residency.index import ResidencyIndex
+from bridge.residency.prefix import PrefixMatch
 from bridge.residency.views import GroupResidency, WorkerKey, WorkerView
 
 __all__ = ["MAX_CHAIN", "ObserveState", "PrefixQuery", "QueryError", "hybrid_effect"]
@@ -103,10 +105,29 @@ class ObserveState:
 
     # -- the queries -----------------------------------------------------
 
+    def entries(self) -> Mapping[str, WorkerEntry]:
+        """The registry's entries by worker (none without a registry)."""
+        return self.follower.entries if self.follower is not None else {}
+
+    def skipped(self, scope: Scope, include_dead: bool, now: float) -> set[str]:
+        """Workers a query leaves out: dead or stopped in the registry (unless
+        `include_dead`), and those out of its scope. Raises ModelMissing."""
+        dead = self.follower.dead(now) if (self.follower is not None and not include_dead) else set()
+        workers = {view.key.worker for view in self.index}
+        return dead | out_of_scope(scope, workers, self.entries(), hidden=dead)
+
+    def count_query(self, transport: str, hit: bool, seconds: float) -> None:
+        self.queries[(transport, "hit" if hit else "miss")] += 1
+        acc = self.query_seconds.setdefault(transport, [0.0, 0])
+        acc[0] += seconds
+        acc[1] += 1
+
     def workers(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
         out = []
+        entries = self.entries()
         for view in sorted(self.index, key=lambda v: v.key):
+            entry = entries.get(view.key.worker)
             groups = []
             for group, g in sorted(view.groups.items()):
                 media = sorted(g.media())
@@ -117,7 +138,8 @@ class ObserveState:
                     "suspect": {m: g.suspect_count(m) for m in media},
                 })
             out.append({
-                "worker": view.key.worker, "dp_rank": view.key.dp_rank, "epoch": view.epoch,
+                "worker": view.key.worker, "dp_rank": view.key.dp_rank, "model": model_of(entry),
+                "tenant": tenant_of(entry), "epoch": view.epoch,
                 "liveness": self.liveness(view, now), "watching": view.watching, "stale": view.stale,
                 "staleness_s": self.staleness(view, now),
                 "lag_s": None if view.lag is None else round(view.lag, 6),
@@ -132,7 +154,7 @@ class ObserveState:
         `spent`: seconds already spent on it (decoding, hashing)."""
         t0 = time.perf_counter()
         now = time.time() if now is None else now
-        skip = self.follower.dead(now) if (self.follower is not None and not q.include_dead) else set()
+        skip = self.skipped(Scope(q.model or None, q.tenant), q.include_dead, now)  # an empty model names none
         # Stopped ranks are left out like dead ones, unless asked for.
         matches = self.index.longest_prefix(chain, media=q.media, include_suspect=q.include_suspect,
                                             include_unwatched=q.include_dead, skip_workers=skip)
@@ -140,11 +162,7 @@ class ObserveState:
         enough = max(q.min_blocks, 1)
         chosen = []
         for m in matches:
-            view = self.index.view(m.worker, m.dp_rank)
-            attention = self._attention_limit(view, m.limits)
-            if attention:
-                self.prefix_blocks[(m.worker, "attention")] += attention
-                self.prefix_blocks[(m.worker, "hybrid")] += m.blocks
+            view = self.count_reuse(m)
             if m.blocks >= enough:
                 chosen.append((m, view))
         # Deepest first; ties in worker order, whatever order the index met them in.
@@ -156,11 +174,17 @@ class ObserveState:
                 "staleness_s": None if view is None else self.staleness(view, now),
                 "limits": {str(k): v for k, v in sorted(m.limits.items())},
             })
-        self.queries[(transport, "hit" if workers else "miss")] += 1
-        acc = self.query_seconds.setdefault(transport, [0.0, 0])
-        acc[0] += time.perf_counter() - t0 + spent
-        acc[1] += 1
+        self.count_query(transport, bool(workers), time.perf_counter() - t0 + spent)
         return {"chain_blocks": len(chain), "workers": workers}
+
+    def count_reuse(self, m: PrefixMatch) -> WorkerView | None:
+        """Add a worker's answer to its reuse counters; its view."""
+        view = self.index.view(m.worker, m.dp_rank)
+        attention = self._attention_limit(view, m.limits)
+        if attention:
+            self.prefix_blocks[(m.worker, "attention")] += attention
+            self.prefix_blocks[(m.worker, "hybrid")] += m.blocks
+        return view
 
     @staticmethod
     def _attention_limit(view: WorkerView | None, limits: dict[int, int]) -> int:

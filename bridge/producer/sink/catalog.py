@@ -11,6 +11,7 @@ import msgspec
 
 from bridge.contract import (
     DEFAULT_FORMAT,
+    DEFAULT_TENANT,
     HDR_FAMILY,
     HDR_FORMAT,
     HDR_KIND,
@@ -143,6 +144,7 @@ class GroupCatalog:
         started_at: float,
         heartbeat_interval: float,
         model: str = "",
+        tenant: str = DEFAULT_TENANT,
     ) -> WorkerEntry:
         """The worker's registry entry as the catalog knows it now."""
         wanted = sorted(set(ranks) | set(self._ranks))
@@ -152,6 +154,6 @@ class GroupCatalog:
             rank_infos.append(RankInfo(rank, seen.epoch, seen.last_seq) if seen else RankInfo(rank))
         groups = [msgspec.structs.replace(g) for _, g in sorted(self._groups.items())]
         return WorkerEntry(
-            worker=worker, topic=topic, model=model, subject_prefix=subject_prefix, ranks=rank_infos,
+            worker=worker, topic=topic, model=model, tenant=tenant, subject_prefix=subject_prefix, ranks=rank_infos,
             groups=groups, started_at=started_at, heartbeat_interval=heartbeat_interval,
         )

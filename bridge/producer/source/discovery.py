@@ -107,9 +107,9 @@ def parse_sources(body: bytes) -> tuple[list[Source], dict[int, Skipped]]:
     return sources, skipped
 
 
-def fetch(url: str, timeout: float) -> bytes:
+def fetch(url: str, timeout: float, route: str = ROUTE) -> bytes:
     """The route's body; RouteMissing on 404, OSError when vLLM is not up."""
-    target = url.rstrip("/") + ROUTE
+    target = url.rstrip("/") + route
     try:
         with urllib.request.urlopen(target, timeout=timeout) as resp:  # noqa: S310 - the operator's URL
             body: bytes = resp.read(MAX_BODY + 1)
