@@ -84,11 +84,26 @@ async def test_relay_passes_the_prompt_on(nats_server: NatsServerProcess, fmt: s
 def test_redacted_tokens_keep_their_count_for_the_residency_rules() -> None:
     """The index counts a store's token ids (re-announcement): the redacted
     msgpack array says as many as the original."""
-    from bridge.producer.normalize.redact import _zeros_raw
+    from bridge.producer.normalize.redact import PromptRedactor
     from bridge.residency.lean import LeanStored, token_count
 
-    for n in (0, 3, 15, 16, 300, 70_000):
-        raw = msgspec.Raw(msgspec.msgpack.encode(list(range(n))))
-        zeros = _zeros_raw(raw)
-        assert msgspec.msgpack.decode(zeros) == [0] * n
-        assert token_count(LeanStored(block_hashes=[], token_ids=zeros, block_size=16)) == n
+    redactor = PromptRedactor()
+    for _ in range(2):  # the second time from the redactor's cache
+        for n in (0, 3, 15, 16, 300, 70_000):
+            raw = msgspec.Raw(msgspec.msgpack.encode(list(range(n))))
+            zeros = redactor.zeros(raw)
+            assert msgspec.msgpack.decode(zeros) == [0] * n
+            assert token_count(LeanStored(block_hashes=[], token_ids=zeros, block_size=16)) == n
+
+
+def test_the_redactors_cache_of_counts_is_bounded() -> None:
+    """Hostile frames with ever new token counts: zeros stay right, memory
+    stays bounded."""
+    from bridge.producer.normalize.redact import MAX_CACHED_COUNTS, PromptRedactor
+
+    redactor = PromptRedactor()
+    for n in range(1, MAX_CACHED_COUNTS + 500):
+        zeros = redactor.zeros(msgspec.Raw(msgspec.msgpack.encode([5] * n)))
+        if n % 997 == 0 or n > MAX_CACHED_COUNTS:
+            assert msgspec.msgpack.decode(zeros) == [0] * n
+    assert redactor.cached_counts == MAX_CACHED_COUNTS

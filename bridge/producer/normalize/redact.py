@@ -19,46 +19,69 @@ from bridge.contract import BlockRemoved, GroupMessage, WorkerRecord
 from bridge.producer.decode.wire import NIL_RAW
 
 _RAW = msgspec.Raw
+# Distinct token counts whose zero arrays are kept: a store's count is at most
+# its blocks' tokens, so a real engine repeats a few hundred counts at most;
+# past the bound (hostile frames) arrays are made afresh, never kept.
+MAX_CACHED_COUNTS = 4096
 
 
-def _zeros_raw(tokens: msgspec.Raw) -> msgspec.Raw:
-    """A msgpack array as long as `tokens`, of zeros (fixint 0 is one byte)."""
-    raw = memoryview(tokens)
-    if not raw:
-        return tokens
-    head = raw[0]
-    if 0x90 <= head <= 0x9F:
-        n, prefix = head & 0x0F, bytes(raw[:1])
-    elif head == 0xDC:
-        n, prefix = int.from_bytes(raw[1:3], "big"), bytes(raw[:3])
-    elif head == 0xDD:
-        n, prefix = int.from_bytes(raw[1:5], "big"), bytes(raw[:5])
-    else:
-        return tokens  # nil or not an array: nothing of the prompt to keep
-    return msgspec.Raw(prefix + bytes(n)) if n else tokens
+class PromptRedactor:
+    """Redacts stores in place. The zero array of each token count is made
+    once: making a `msgspec.Raw` per event cost the relay more than reading
+    the count does (bench.run core at 512-event batches, docs/benchmark.md)."""
 
+    def __init__(self) -> None:
+        self._zeros: dict[int, msgspec.Raw] = {}
 
-def redact(items: list[GroupMessage | WorkerRecord]) -> int:
-    """Redacts every store of `items` in place; returns how many it changed."""
-    changed = 0
-    removed, raw = BlockRemoved, _RAW
-    for item in items:
-        if item.__class__ is not GroupMessage:
-            continue
-        for event in item.events:  # type: ignore[union-attr]
-            if event.__class__ is removed:
+    @property
+    def cached_counts(self) -> int:
+        return len(self._zeros)
+
+    def zeros(self, tokens: msgspec.Raw) -> msgspec.Raw:
+        """A msgpack array as long as `tokens`, of zeros (fixint 0 is one byte)."""
+        raw = memoryview(tokens)
+        if not raw:
+            return tokens
+        head = raw[0]
+        if head == 0xDC:
+            n = raw[1] << 8 | raw[2]
+        elif 0x90 <= head <= 0x9F:
+            n = head & 0x0F
+        elif head == 0xDD:
+            n = int.from_bytes(raw[1:5], "big")
+        else:
+            return tokens  # nil or not an array: nothing of the prompt to keep
+        if not n:
+            return tokens
+        zeros = self._zeros.get(n)
+        if zeros is None:
+            prefix = bytes(raw[:1]) if head <= 0x9F else bytes(raw[:3]) if head == 0xDC else bytes(raw[:5])
+            zeros = msgspec.Raw(prefix + bytes(n))
+            if len(self._zeros) < MAX_CACHED_COUNTS:
+                self._zeros[n] = zeros
+        return zeros
+
+    def redact(self, items: list[GroupMessage | WorkerRecord]) -> int:
+        """Redacts every store of `items` in place; returns how many it changed."""
+        changed = 0
+        removed, raw, zeros = BlockRemoved, _RAW, self.zeros
+        for item in items:
+            if item.__class__ is not GroupMessage:
                 continue
-            # A BlockStored, or the relay's form of it (RelayBlockStored: Raw fields).
-            store: Any = event
-            tokens = store.token_ids
-            if tokens.__class__ is raw:
-                store.token_ids = _zeros_raw(tokens)
-                store.extra_keys = NIL_RAW
-                store.lookahead_token_ids = NIL_RAW
-            else:
-                if tokens:
-                    store.token_ids = [0] * len(tokens)
-                store.extra_keys = None
-                store.lookahead_token_ids = None
-            changed += 1
-    return changed
+            for event in item.events:  # type: ignore[union-attr]
+                if event.__class__ is removed:
+                    continue
+                # A BlockStored, or the relay's form of it (RelayBlockStored: Raw fields).
+                store: Any = event
+                tokens = store.token_ids
+                if tokens.__class__ is raw:
+                    store.token_ids = zeros(tokens)
+                    store.extra_keys = NIL_RAW
+                    store.lookahead_token_ids = NIL_RAW
+                else:
+                    if tokens:
+                        store.token_ids = [0] * len(tokens)
+                    store.extra_keys = None
+                    store.lookahead_token_ids = None
+                changed += 1
+        return changed

@@ -12,7 +12,7 @@ import structlog
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.decode.decoder import BatchDecodeError, BatchDecoder
 from bridge.producer.normalize.normalizer import Normalizer, NormalizeStats, StreamIdentity
-from bridge.producer.normalize.redact import redact
+from bridge.producer.normalize.redact import PromptRedactor
 from bridge.producer.source.frames import Frame
 from bridge.producer.telemetry.metrics import Metrics
 
@@ -42,7 +42,7 @@ class NormalizeStage:
         self._log = log
         self._deliver = deliver
         self._gap = gap
-        self._redact = redact_prompts
+        self._redactor = PromptRedactor() if redact_prompts else None
         # The vLLM timestamp of the last batch decoded: a stop record names it.
         self.last_ts: float | None = None
         self._rank_mismatch_logged = False
@@ -89,8 +89,8 @@ class NormalizeStage:
             for what, n in stats.transformed.items():
                 metrics.transformed_by[what].inc(n)
         stats.clear()
-        if self._redact:
-            redact(items)
+        if self._redactor is not None:
+            self._redactor.redact(items)
         self._deliver(frame.seq, batch.ts, items, malformed)
 
     def _count_malformed(self, seq: int, rejected: list[tuple[str, str]], stats: NormalizeStats) -> None:
