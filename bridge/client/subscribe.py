@@ -146,7 +146,8 @@ class BusSubscriber:
         self._sub: Subscription | None = None
         self.undecodable = 0
         # Messages whose payload speaks for another worker, rank or group
-        # than the subject they came on: refused, per reason (`identity.refused`).
+        # than the subject they came on, and reply-subject copies: refused,
+        # per reason (`identity.refused`).
         self.identity = IdentityGuard()
         self.delivered = 0
         self._seen_disconnects = 0
@@ -319,6 +320,8 @@ class BusSubscriber:
 
     def _decode(self, msg: Msg) -> BusMessage | None:
         headers = dict(msg.headers) if msg.headers else {}
+        if not self.identity.delivered(msg.subject, headers):
+            return None
         try:
             body = self._codec.decode(msg.subject, headers, msg.data)
         except BusDecodeError:
