@@ -1,8 +1,8 @@
 """Reading the worker registry: who is out there, and who is still alive.
 
 Follows the bridge-written JetStream KV bucket (entries: `bridge.contract.registry`) with a
-watch of its own (an ordered consumer, last value per key, then every update),
-so a new heartbeat shows up at once. A bucket that does not exist yet (no bridge
+watch of its own (a consumer of the reader's own name, bridge.client.consumer:
+last value per key, then every update), so a new heartbeat shows up at once. A bucket that does not exist yet (no bridge
 with JetStream started so far) is looked for again every few seconds.
 
 A key's value is taken only from its worker: what the server stores on a key
@@ -26,6 +26,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from bridge.client.consumer import ConsumerNamesInUse, OwnConsumer
 from bridge.client.identity import IdentityGuard
 from bridge.client.log import get_logger
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
@@ -39,8 +40,6 @@ _KV_OP = "KV-Operation"
 # nats-server's own markers (max age, TTL) name their reason instead.
 _MARKER_REASON = "Nats-Marker-Reason"
 _MARKER_DELETES = ("MaxAge", "Purge", "Remove")
-# Long enough to outlive a reconnect; the server drops it after that when idle.
-_WATCH_INACTIVE_S = 300.0
 
 
 def declare_entry(index: ResidencyIndex, entry: WorkerEntry) -> None:
@@ -89,7 +88,7 @@ class RegistryFollower:
                 continue
             try:
                 await self._follow(kv)
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError, ConsumerNamesInUse):
                 # The watch broke (server restart, bucket deleted): start over.
                 self.available = False
                 await anyio.sleep(_RETRY_SECONDS)
@@ -107,18 +106,19 @@ class RegistryFollower:
 
     async def _follow(self, kv: KeyValue) -> None:
         """nats-py's `KeyValue.watch` hands out no headers, which is what
-        tells a reply-subject copy: the same watch, read here."""
+        tells a reply-subject copy, and its consumer cannot be named: the
+        same watch, through a consumer of this reader's own name."""
         prefix = f"$KV.{self.bucket}."
         # The bucket's size, not the consumer's info: a reader may not ask
         # for a consumer's info (docs/security.md).
         empty = (await kv.status()).values == 0
-        sub = await self._nc.jetstream().subscribe(
-            f"{prefix}>", stream=f"KV_{self.bucket}", ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT, inactive_threshold=_WATCH_INACTIVE_S)
+        consumer = OwnConsumer(self._nc, f"KV_{self.bucket}", api.ConsumerConfig(
+            filter_subject=f"{prefix}>", deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT))
+        await consumer.start()
         try:
             if empty:
                 self.loaded.set()
-            async for msg in sub.messages:
+            async for msg in consumer.messages():
                 headers = msg.headers or {}
                 key = msg.subject[len(prefix):]
                 if self.identity.delivered(msg.subject, headers):
@@ -129,7 +129,7 @@ class RegistryFollower:
                 if msg.metadata.num_pending == 0:
                     self.loaded.set()
         finally:
-            await sub.unsubscribe()
+            await consumer.stop()
 
     def _apply(self, key: str, value: bytes | None, operation: str | None) -> None:
         if operation in _DELETES:

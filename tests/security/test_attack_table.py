@@ -534,14 +534,27 @@ async def _reply_copy_rows(a: Client, reader: Client, admin: Client, url: str, p
     finally:
         await conn.close()
 
-    answer = await reader.request("$JS.API.CONSUMER.CREATE.KV_EVENTS", {
-        "stream_name": "KV_EVENTS", "config": {"name": "someone-elses", "ack_policy": "explicit",
-                                               "deliver_policy": "all", "filter_subject": "kv.none.>"}})
-    changed = (await js.consumer_info("KV_EVENTS", "someone-elses")).config.filter_subject == "kv.none.>"
-    row = Row("JetStream", "reader", "ephemeral-consumer call naming someone else's consumer in its body", OPEN,
-              f"{answer}; its filter {'changed' if changed else 'kept'}")
-    row.verdict = "open (documented)" if changed else "FAIL: changed, update docs/security.md"
-    rows.append(row)
+    # 3. A consumer named in the request body (the call for an ephemeral
+    # consumer): JetStream would take a name it knows as an update. Then under
+    # a name of another reader's, in the API subject. The consumer read back.
+    for attempt, subject, name in (
+        ("ephemeral-consumer call naming someone else's consumer in its body", "$JS.API.CONSUMER.CREATE.KV_EVENTS",
+         "someone-elses"),
+        ("a consumer under another reader's name (kvr-reader2-0)",
+         "$JS.API.CONSUMER.CREATE.KV_EVENTS.kvr-reader2-0.kv.none.>", "kvr-reader2-0"),
+    ):
+        if name != "someone-elses":
+            await admin.nc.jetstream().add_consumer("KV_EVENTS", nats.js.api.ConsumerConfig(
+                name=name, ack_policy=nats.js.api.AckPolicy.NONE, filter_subject="kv.>", inactive_threshold=60.0))
+        answer = await reader.request(subject, {
+            "stream_name": "KV_EVENTS", "config": {"name": name, "ack_policy": "explicit", "deliver_policy": "all",
+                                                   "filter_subject": "kv.none.>"}})
+        kept = (await js.consumer_info("KV_EVENTS", name)).config.filter_subject == "kv.>"
+        row = Row("JetStream", "reader", attempt, REFUSED, f"{answer}; its filter {'kept' if kept else 'changed'}")
+        judge(row)
+        if not kept:
+            row.verdict = "FAIL"
+        rows.append(row)
     return rows
 
 
