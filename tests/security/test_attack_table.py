@@ -4,10 +4,10 @@ with two real bridges (workers `a` and `b`), an attacker holding a's
 bridge credentials or a reader's tries everything issue 24 lists and the
 obvious variants. Each row says what was tried, with whose credentials, and
 what happened; an admin user reads back that nothing of b's, and nothing
-shared, changed. Rows marked `open` are what subject permissions cannot
-stop (docs/security.md, "What the permissions cannot stop"): the test holds
-them to their documented outcome, so a server that starts refusing them
-shows up here.
+shared, changed. The last rows write through reply subjects, which subject
+permissions cannot stop (docs/security.md, "What the permissions cannot
+stop"): the server stores the copy, and the row reads back that a reader's
+consumers refused it.
 
 The table is printed in the test output (`pytest -s` not needed)."""
 
@@ -42,7 +42,6 @@ pytestmark = pytest.mark.anyio
 
 REFUSED = "refused"
 HARMLESS = "harmless"
-OPEN = "open"
 # The bus delivers it on the publisher's own subject; consumers take the
 # worker from the subject and refuse a payload that names another (issue 24, 1).
 CONSUMER = "consumers refuse"
@@ -142,10 +141,8 @@ def judge(row: Row) -> None:
         row.verdict = "ok" if out.startswith("refused") or out.startswith("error 4") else "FAIL"
     elif row.expected == HARMLESS:
         row.verdict = "ok" if not out.startswith("FAIL") else "FAIL"
-    elif row.expected == CONSUMER:
-        row.verdict = "bus: delivered on the publisher's own subject" if out == "delivered" else "FAIL"
     else:
-        row.verdict = "open (documented)"
+        row.verdict = "bus: delivered on the publisher's own subject" if out == "delivered" else "FAIL"
 
 
 def table(rows: list[Row]) -> str:
@@ -369,7 +366,7 @@ async def test_attack_table_jetstream(tmp_path: Path, capsys: pytest.CaptureFixt
             ready.verdict = "ok" if status == 200 and after["events"][w.worker] > before["events"][w.worker] else "FAIL"
             rows.append(ready)
 
-        # What subject permissions cannot stop: held to their documented outcome.
+        # What subject permissions cannot stop, and consumer names: read back.
         rows += await _reply_copy_rows(a, reader, admin, server.url, pw)
         _print(rows, capsys)
         assert [r for r in rows if r.verdict.startswith("FAIL")] == [], \
