@@ -81,6 +81,7 @@ class OwnConsumer:
         self._last_stream: int | None = None
         self._last_delivered = 0
         self.recreated = 0
+        self._id = f"kv-bridge reader {nc._nuid.next().decode()}"
 
     async def start(self) -> None:
         """Raises ConsumerNamesInUse, or nats' errors when JetStream refuses."""
@@ -88,8 +89,11 @@ class OwnConsumer:
 
     async def _create(self, config: api.ConsumerConfig) -> None:
         for name in consumer_names(self._nc):
+            # The description is this client's own: JetStream takes a create
+            # with a configuration equal to the existing one's as that one.
             cfg = config.evolve(name=name, durable_name=None, deliver_subject=None, ack_policy=api.AckPolicy.NONE,
-                                inactive_threshold=_INACTIVE_S, mem_storage=True, num_replicas=1)
+                                inactive_threshold=_INACTIVE_S, mem_storage=True, num_replicas=1,
+                                description=self._id)
             subject = f"$JS.API.CONSUMER.CREATE.{self.stream}.{name}"
             if cfg.filter_subject and cfg.filter_subject != ">":
                 subject += f".{cfg.filter_subject}"
@@ -128,9 +132,9 @@ class OwnConsumer:
         while True:
             try:
                 msgs = await self._psub.fetch(_BATCH, timeout=_POLL_S)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nothing new (nats-py also waits out a 409 this way)
                 continue
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
                 log.info("consumer_lost", stream=self.stream, consumer=self.name, error=type(exc).__name__)
                 await anyio.sleep(_RETRY_S if self._nc.is_reconnecting else 0)
                 await self._recreate()
