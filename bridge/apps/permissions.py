@@ -8,9 +8,9 @@ The roles (docs/security.md, the trust model):
   of its own name and filter per rank); writes only its own registry key and
   snapshot keys; answers snapshot requests on its own ranks' subjects.
 - `reader` (tail, watch, routers): subscribes to the events; reads the
-  stream and the buckets (info, direct gets, ephemeral consumers it cannot
-  name, so it can touch no other consumer); asks bridges for snapshots;
-  publishes nothing else.
+  stream and the buckets (info, direct gets, consumers under its own names
+  `kvr-<user>-<n>` only, so it can touch no other consumer); asks bridges
+  for snapshots; publishes nothing else.
 - `observe`: a reader that also answers its own service's requests.
 - `admin`: everything, for setting up and inspecting; no process of the
   deployment runs as it.
@@ -32,6 +32,7 @@ from typing import Final
 
 import msgspec
 
+from bridge.client.consumer import CONSUMERS_PER_USER, consumer_name
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_STREAM, registry_key, validate_prefix, worker_token
 from bridge.contract.snapshot import (
     DEFAULT_SNAPSHOT_BUCKET,
@@ -124,16 +125,22 @@ def bridge_role(worker: str, layout: Layout) -> Role:
 
 def reader_role(user: str, layout: Layout) -> Role:
     """Reads: the events, the stream and the buckets, snapshots from the
-    bridges, and answers from observe's service. Its only consumers are ephemeral ones the server names
-    (`$JS.API.CONSUMER.CREATE.<stream>` with no name): it cannot name,
-    change, read the acks of or delete anyone else's."""
+    bridges, and answers from observe's service. Its only consumers are its
+    own, named `kvr-<user>-<n>` in the API subject (bridge.client.consumer):
+    it cannot name, change, read the acks of or delete anyone else's."""
     prefix, base = layout.prefix, layout.observe_subject
     publish = ["$JS.API.INFO", f"{SNAPSHOT_ROOT}.{prefix}.*", f"$SRV.INFO.{SNAPSHOT_SERVICE}",
                f"{base}.prefix", f"{base}.workers", f"$SRV.PING.{OBSERVE_SERVICE}", f"$SRV.INFO.{OBSERVE_SERVICE}"]
     for name in _streams(layout):
         publish += [f"$JS.API.STREAM.INFO.{name}", f"$JS.API.STREAM.MSG.GET.{name}",
-                    f"$JS.API.DIRECT.GET.{name}", f"$JS.API.DIRECT.GET.{name}.>",
-                    f"$JS.API.CONSUMER.CREATE.{name}", f"$JS.FC.{name}.>"]
+                    f"$JS.API.DIRECT.GET.{name}", f"$JS.API.DIRECT.GET.{name}.>"]
+    # Consumers only under its own names, in the API subject, which JetStream
+    # checks against the request: the snapshot bucket is read by direct gets only.
+    for name in [layout.stream, *([f"KV_{layout.registry_bucket}"] if layout.registry_bucket else [])]:
+        for n in range(CONSUMERS_PER_USER):
+            own = consumer_name(user, n)
+            publish += [f"$JS.API.CONSUMER.CREATE.{name}.{own}.>", f"$JS.API.CONSUMER.MSG.NEXT.{name}.{own}",
+                        f"$JS.API.CONSUMER.DELETE.{name}.{own}"]
     return Role(user, RoleKind.READER, publish, [f"{prefix}.>", f"{inbox_prefix(user)}.>"])
 
 

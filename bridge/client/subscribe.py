@@ -4,8 +4,8 @@ Core NATS delivers only what is published while connected, so a disconnect or
 a slow-consumer drop loses messages without a trace on the bus; the subscriber
 turns both into an `Interruption` item, in order, before the next message, and a
 residency index treats it like a gap for every worker. A JetStream replay uses
-an ordered consumer (ephemeral, flow-controlled, restarted by nats-py at the
-last stream sequence on any hiccup), so it has no interruptions to report.
+a consumer of the reader's own name, re-created at the next stream sequence
+on any hiccup (bridge.client.consumer), so it has no interruptions to report.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from bridge.client.bootstrap import (
 )
 from bridge.client.codec import Body, BusCodec, BusDecodeError
 from bridge.client.connection import BusConnection
+from bridge.client.consumer import OwnConsumer
 from bridge.client.coverage import SubjectFilter
 from bridge.client.identity import IdentityGuard
 from bridge.contract import DEFAULT_STREAM
@@ -144,9 +145,11 @@ class BusSubscriber:
         self.stream = stream
         self._codec = codec or BusCodec()
         self._sub: Subscription | None = None
+        self._consumer: OwnConsumer | None = None
         self.undecodable = 0
         # Messages whose payload speaks for another worker, rank or group
-        # than the subject they came on: refused, per reason (`identity.refused`).
+        # than the subject they came on, and reply-subject copies: refused,
+        # per reason (`identity.refused`).
         self.identity = IdentityGuard()
         self.delivered = 0
         self._seen_disconnects = 0
@@ -173,12 +176,15 @@ class BusSubscriber:
             # Registered with the server before we return: a caller may publish next.
             await nc.flush()
         else:
-            js = nc.jetstream()
             config = await self._stream_bootstrap() if self.since.policy == "snapshot" else consumer_config(self.since)
-            self._sub = await js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, config=config)
+            self._consumer = OwnConsumer(nc, self.stream, config.evolve(filter_subject=self.subject))
+            await self._consumer.start()
         self._seen_disconnects = self._conn.disconnects
 
     async def stop(self) -> None:
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            await consumer.stop()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             try:
@@ -199,7 +205,7 @@ class BusSubscriber:
         return self.items()
 
     async def items(self) -> AsyncIterator[BusItem]:
-        if self._sub is None:
+        if self._sub is None and self._consumer is None:
             raise RuntimeError("start() first")
         if self.bootstrap is not None and self.since is None:
             self._opening = await self._core_bootstrap()
@@ -207,7 +213,7 @@ class BusSubscriber:
         for first in opening:
             yield first
         self.opened = True
-        async for msg in self._sub.messages:
+        async for msg in self._source():
             interruption = self._interruption()
             if interruption is not None:
                 yield interruption
@@ -226,6 +232,12 @@ class BusSubscriber:
             yield item
             if after is not None:
                 yield after
+
+    def _source(self) -> AsyncIterator[Msg]:
+        if self._consumer is not None:
+            return self._consumer.messages()
+        assert self._sub is not None
+        return self._sub.messages
 
     async def _core_bootstrap(self) -> list[BusItem]:
         """Snapshots fetched while the subscription buffers, spliced (bridge.client.bootstrap)."""
@@ -319,6 +331,8 @@ class BusSubscriber:
 
     def _decode(self, msg: Msg) -> BusMessage | None:
         headers = dict(msg.headers) if msg.headers else {}
+        if not self.identity.delivered(msg.subject, headers):
+            return None
         try:
             body = self._codec.decode(msg.subject, headers, msg.data)
         except BusDecodeError:

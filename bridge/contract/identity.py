@@ -8,12 +8,23 @@ from there and refuses a message whose payload names another (`Refusal`).
 
 Tokens must be canonical: `kv.a~41.0` unescapes to worker "aA", whose own
 subjects are `kv.aA.*`; a publisher allowed `kv.a~41.>` must not speak for it.
+
+One write reaches a subject past every permission: JetStream answers a
+request on whatever reply subject the requester names, as the server, and a
+stream (or bucket) listening there stores the answer. A direct get's answer
+is a stored message with the headers the server adds to every message it
+returns (`STORED_HEADERS`), which no bridge sends, so a message delivered on
+the contract's subjects or from a bucket that carries one is such a copy
+(`reply_copy`), refused whatever it says. A direct get's own answer carries
+them legitimately: the rule is for what a subscription or a consumer
+delivers, never for the answer to one's own read.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Final, NamedTuple
 
 from bridge.contract.subjects import WORKER_TOKEN, parse_worker_token, worker_token
 
@@ -26,6 +37,20 @@ class Refusal(enum.Enum):
     RANK = "rank_mismatch"  # another data-parallel rank
     GROUP = "group_mismatch"  # another group than the subject's
     PLACE = "wrong_subject"  # a record on a group subject, or a group message on the record subject
+    REPLY_COPY = "reply_copy"  # the server's answer to someone's read, stored where its reply subject named
+
+
+# What nats-server puts on a stored message it hands back (direct gets,
+# republish): a publisher never sets them.
+STORED_HEADERS: Final = frozenset(
+    {"Nats-Stream", "Nats-Subject", "Nats-Sequence", "Nats-Time-Stamp", "Nats-Last-Sequence"})
+
+
+def reply_copy(headers: Mapping[str, str] | None) -> bool:
+    """Whether a message delivered by a subscription or a consumer is a
+    stored message the server handed back onto a reply subject (a copy, not
+    what the publisher of that subject sent)."""
+    return bool(headers) and not STORED_HEADERS.isdisjoint(headers)  # type: ignore[arg-type]
 
 
 class Origin(NamedTuple):

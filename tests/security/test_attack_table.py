@@ -4,10 +4,10 @@ with two real bridges (workers `a` and `b`), an attacker holding a's
 bridge credentials or a reader's tries everything issue 24 lists and the
 obvious variants. Each row says what was tried, with whose credentials, and
 what happened; an admin user reads back that nothing of b's, and nothing
-shared, changed. Rows marked `open` are what subject permissions cannot
-stop (docs/security.md, "What the permissions cannot stop"): the test holds
-them to their documented outcome, so a server that starts refusing them
-shows up here.
+shared, changed. The last rows write through reply subjects, which subject
+permissions cannot stop (docs/security.md, "What the permissions cannot
+stop"): the server stores the copy, and the row reads back that a reader's
+consumers refused it.
 
 The table is printed in the test output (`pytest -s` not needed)."""
 
@@ -28,7 +28,11 @@ import nats.js.errors
 import pytest
 
 from bridge.apps.permissions import Layout, roles, server_config
+from bridge.client.connection import BusConnection, settings_for
+from bridge.client.registry import RegistryFollower
+from bridge.client.subscribe import BusItem, BusMessage, BusSubscriber, StartAt
 from bridge.contract import BlockStored, GroupMessage, WorkerRecord
+from bridge.contract.identity import Refusal
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.faults.harness import http_get, wait_http
 from tests.security.secure_nats import secret_word, start_server
@@ -38,7 +42,6 @@ pytestmark = pytest.mark.anyio
 
 REFUSED = "refused"
 HARMLESS = "harmless"
-OPEN = "open"
 # The bus delivers it on the publisher's own subject; consumers take the
 # worker from the subject and refuse a payload that names another (issue 24, 1).
 CONSUMER = "consumers refuse"
@@ -138,10 +141,8 @@ def judge(row: Row) -> None:
         row.verdict = "ok" if out.startswith("refused") or out.startswith("error 4") else "FAIL"
     elif row.expected == HARMLESS:
         row.verdict = "ok" if not out.startswith("FAIL") else "FAIL"
-    elif row.expected == CONSUMER:
-        row.verdict = "bus: delivered on the publisher's own subject" if out == "delivered" else "FAIL"
     else:
-        row.verdict = "open (documented)"
+        row.verdict = "bus: delivered on the publisher's own subject" if out == "delivered" else "FAIL"
 
 
 def table(rows: list[Row]) -> str:
@@ -365,8 +366,8 @@ async def test_attack_table_jetstream(tmp_path: Path, capsys: pytest.CaptureFixt
             ready.verdict = "ok" if status == 200 and after["events"][w.worker] > before["events"][w.worker] else "FAIL"
             rows.append(ready)
 
-        # What subject permissions cannot stop: held to their documented outcome.
-        rows += await _open_rows(a, reader, admin)
+        # What subject permissions cannot stop, and consumer names: read back.
+        rows += await _reply_copy_rows(a, reader, admin, server.url, pw)
         _print(rows, capsys)
         assert [r for r in rows if r.verdict.startswith("FAIL")] == [], \
             table([r for r in rows if r.verdict.startswith("FAIL")])
@@ -415,46 +416,151 @@ def _readback(mode: str, before: dict[str, Any], after: dict[str, Any]) -> Row:
     return row
 
 
-async def _open_rows(a: Client, reader: Client, admin: Client) -> list[Row]:
+async def _reader_view(url: str, pw: dict[str, str]) -> BusConnection:
+    conn = BusConnection()
+    await conn.open(settings_for(url, environ={"KVB_NATS_PASSWORD": pw["reader"]}, nats_user="reader",
+                                 nats_inbox_prefix="_INBOX.reader"), "attack-table-reader")
+    return conn
+
+
+async def _collect(sub: BusSubscriber, into: list[BusItem]) -> None:
+    async for item in sub:
+        into.append(item)
+
+
+def _forged_b7(item: BusItem) -> bool:
+    """The store a crafted for b's group 7 (hash 0xBAD), applied as b's."""
+    return type(item) is BusMessage and item.subject == "kv.b.7" and type(item.body) is GroupMessage \
+        and any(0xBAD in getattr(e, "block_hashes", []) for e in item.body.events)
+
+
+async def _reply_copy_rows(a: Client, reader: Client, admin: Client, url: str, pw: dict[str, str]) -> list[Row]:
     """JetStream answers a request on whatever reply subject the requester
-    names, stream subjects included, and the legacy ephemeral-consumer call
-    names its consumer in the body: subject permissions see neither."""
+    names, stream and bucket subjects included, past every permission; the
+    copies it stores there are refused by the consumers (a reader's live
+    subscription, its stream replay, its registry follower), which is what
+    the rows read back."""
     js = admin.nc.jetstream()
     rows = []
+    conn = await _reader_view(url, pw)
+    live: list[BusItem] = []
+    follower = RegistryFollower(conn.nc)  # type: ignore[arg-type]
+    try:
+        async with anyio.create_task_group() as tg, BusSubscriber(conn, "kv.b.>") as sub:
+            tg.start_soon(_collect, sub, live)
+            tg.start_soon(follower.run)
+            with anyio.fail_after(15):
+                while "b" not in follower.entries:
+                    await anyio.sleep(0.05)
 
-    async def b_count() -> int:
-        return int((await js.stream_info("KV_EVENTS", subjects_filter="kv.b.>")).state.messages)
+            # 1. A group message of a's making that says b's group 7 (no
+            # Nats-Msg-Id: a copy of one of the bridge's own would be dropped as
+            # a duplicate), on a's own subject, read back onto b's kv.b.7.
+            async def on_b7() -> tuple[int, int]:
+                info = await js.stream_info("KV_EVENTS", subjects_filter="kv.b.7")
+                return (info.state.subjects or {}).get("kv.b.7", 0), info.state.last_seq
 
-    # A message of a's own making (no Nats-Msg-Id: a copy of one of the
-    # bridge's own would be dropped as a duplicate), then read back onto b's subject.
-    await a.nc.jetstream().publish("kv.a.9", b"crafted by a, saying worker b")
-    before = await b_count()
-    await a.nc.publish("$JS.API.DIRECT.GET.KV_EVENTS.kv.a.9", b"", reply="kv.b.7")
-    await a.nc.flush()
-    await anyio.sleep(0.5)
-    grew = await b_count() - before
-    row = Row("JetStream", "bridge a", "direct get of a message of its own with kv.b.7 as the reply subject", OPEN,
-              f"the server stored {grew} copy of a's message on kv.b.7")
-    row.verdict = "open (documented)" if grew == 1 else "FAIL: changed, update docs/security.md"
-    rows.append(row)
-    await reader.nc.publish("$JS.API.STREAM.INFO.KV_EVENTS", b"", reply="$KV.kv_workers.b")
-    await reader.nc.flush()
-    await anyio.sleep(0.5)
-    entry = (await js.get_last_msg("KV_kv_workers", "$KV.kv_workers.b")).data or b""
-    overwritten = b"stream_info_response" in entry
-    row = Row("JetStream", "reader", "a JetStream read call with b's registry key as the reply subject", OPEN,
-              "b's entry " + ("replaced by the API's answer until b's next heartbeat" if overwritten else "kept"))
-    row.verdict = "open (documented)" if overwritten else "FAIL: changed, update docs/security.md"
-    rows.append(row)
-    answer = await reader.request("$JS.API.CONSUMER.CREATE.KV_EVENTS", {
-        "stream_name": "KV_EVENTS", "config": {"name": "someone-elses", "ack_policy": "explicit",
-                                               "deliver_policy": "all", "filter_subject": "kv.none.>"}})
-    changed = (await js.consumer_info("KV_EVENTS", "someone-elses")).config.filter_subject == "kv.none.>"
-    row = Row("JetStream", "reader", "ephemeral-consumer call naming someone else's consumer in its body", OPEN,
-              f"{answer}; its filter {'changed' if changed else 'kept'}")
-    row.verdict = "open (documented)" if changed else "FAIL: changed, update docs/security.md"
-    rows.append(row)
+            before, _ = await on_b7()
+            crafted = msgspec.msgpack.encode(GroupMessage(
+                v=1, worker="b", dp_rank=0, epoch=1, seq=1, ts=0.0, group=7, kind="full_attention",
+                family="attention", kind_source="event",
+                events=[BlockStored(block_hashes=[0xBAD], parent_block_hash=None, token_ids=[], block_size=16,
+                                    lora_id=None, medium="GPU", lora_name=None)]))
+            await a.nc.jetstream().publish("kv.a.9", crafted, headers={"Kvb-Format": "msgpack"})
+            await a.nc.publish("$JS.API.DIRECT.GET.KV_EVENTS.kv.a.9", b"", reply="kv.b.7")
+            await a.nc.flush()
+            count, copy_seq = await on_b7()
+            stored = count - before
+            replay = BusSubscriber(conn, "kv.b.7", since=StartAt("seq", seq=copy_seq))
+            replayed: list[BusItem] = []
+            async with replay, anyio.create_task_group() as rtg:
+                rtg.start_soon(_collect, replay, replayed)
+                with anyio.move_on_after(10):
+                    while not replay.identity.refused[Refusal.REPLY_COPY]:
+                        await anyio.sleep(0.05)
+                rtg.cancel_scope.cancel()
+            with anyio.move_on_after(5):
+                while not sub.identity.refused[Refusal.REPLY_COPY]:
+                    await anyio.sleep(0.05)
+            refused = (sub.identity.refused[Refusal.REPLY_COPY], replay.identity.refused[Refusal.REPLY_COPY])
+            applied = sum(map(_forged_b7, live + replayed))
+            row = Row("JetStream", "bridge a", "direct get of a message of its own (saying b's group 7) with kv.b.7 "
+                      "as the reply subject", HARMLESS,
+                      f"the server stored {stored} copy on kv.b.7; refused as a reply copy by a reader's live "
+                      f"subscription and its stream replay ({refused[0]}, {refused[1]}); applied as b's: {applied}")
+            row.verdict = "ok" if stored == 1 and min(refused) >= 1 and applied == 0 else "FAIL"
+            rows.append(row)
+
+            # 2. A JetStream read call answered onto b's registry key: its JSON
+            # is no entry. Then a delete marker of a's own, read back onto b's key.
+            for attempt, send in (
+                ("a JetStream read call with b's registry key as the reply subject", lambda: reader.nc.publish(
+                    "$JS.API.STREAM.INFO.KV_EVENTS", b"", reply="$KV.kv_workers.b")),
+                ("bridge a: a delete marker of its own snapshot key read back onto b's registry key",
+                 lambda: _delete_marker_onto_b(a)),
+            ):
+                bad_before, copies_before = follower.bad_entries, follower.identity.refused[Refusal.REPLY_COPY]
+                await send()
+                await reader.nc.flush()
+                with anyio.move_on_after(5):
+                    while (follower.bad_entries, follower.identity.refused[Refusal.REPLY_COPY]) == \
+                            (bad_before, copies_before) and "b" in follower.entries:
+                        await anyio.sleep(0.05)
+                seen = (follower.bad_entries - bad_before) + (follower.identity.refused[Refusal.REPLY_COPY]
+                                                             - copies_before)
+                kept = follower.entries.get("b") is not None and follower.status("b") == "alive"
+                # A follower that starts now finds b's key holding the copy: it
+                # has b again from b's next heartbeat on (the bucket keeps one value a key).
+                interval = follower.entries["b"].heartbeat_interval if kept else 5.0
+                late = RegistryFollower(conn.nc)  # type: ignore[arg-type]
+                with anyio.move_on_after(3 * interval):
+                    async with anyio.create_task_group() as late_tg:
+                        late_tg.start_soon(late.run)
+                        while "b" not in late.entries:
+                            await anyio.sleep(0.05)
+                        late_tg.cancel_scope.cancel()
+                row = Row("JetStream", "reader" if attempt.startswith("a JetStream") else "bridge a",
+                          attempt.removeprefix("bridge a: "), HARMLESS,
+                          f"stored on b's key; a running follower refused it ({seen}) and "
+                          f"{'kept b alive' if kept else 'lost b'}; a late one had b "
+                          f"{'from' if 'b' in late.entries else 'not even after'} b's next heartbeat "
+                          f"(every {interval:g} s)")
+                row.verdict = "ok" if kept and seen == 1 and "b" in late.entries else "FAIL"
+                rows.append(row)
+            tg.cancel_scope.cancel()
+    finally:
+        await conn.close()
+
+    # 3. A consumer named in the request body (the call for an ephemeral
+    # consumer): JetStream would take a name it knows as an update. Then under
+    # a name of another reader's, in the API subject. The consumer read back.
+    for attempt, subject, name in (
+        ("ephemeral-consumer call naming someone else's consumer in its body", "$JS.API.CONSUMER.CREATE.KV_EVENTS",
+         "someone-elses"),
+        ("a consumer under another reader's name (kvr-reader2-0)",
+         "$JS.API.CONSUMER.CREATE.KV_EVENTS.kvr-reader2-0.kv.none.>", "kvr-reader2-0"),
+    ):
+        if name != "someone-elses":
+            await admin.nc.jetstream().add_consumer("KV_EVENTS", nats.js.api.ConsumerConfig(
+                name=name, ack_policy=nats.js.api.AckPolicy.NONE, filter_subject="kv.>", inactive_threshold=60.0))
+        answer = await reader.request(subject, {
+            "stream_name": "KV_EVENTS", "config": {"name": name, "ack_policy": "explicit", "deliver_policy": "all",
+                                                   "filter_subject": "kv.none.>"}})
+        kept = (await js.consumer_info("KV_EVENTS", name)).config.filter_subject == "kv.>"
+        row = Row("JetStream", "reader", attempt, REFUSED, f"{answer}; its filter {'kept' if kept else 'changed'}")
+        judge(row)
+        if not kept:
+            row.verdict = "FAIL"
+        rows.append(row)
     return rows
+
+
+async def _delete_marker_onto_b(a: Client) -> None:
+    """A delete marker is a put a bridge may make on its own snapshot keys;
+    read back with b's registry key as the reply, it says `KV-Operation: DEL` there."""
+    await a.nc.jetstream().publish("$KV.kv_snapshots.a.zz", b"", headers={"KV-Operation": "DEL"})
+    await a.nc.publish("$JS.API.DIRECT.GET.KV_kv_snapshots.$KV.kv_snapshots.a.zz", b"", reply="$KV.kv_workers.b")
+    await a.nc.flush()
 
 
 async def test_attack_table_core(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

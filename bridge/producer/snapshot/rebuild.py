@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 
 from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, WorkerRecord, decoder_for
 from bridge.contract.holdings import StreamHoldings
-from bridge.contract.identity import check_key, subject_origin
+from bridge.contract.identity import Refusal, check_key, reply_copy, subject_origin
 from bridge.contract.snapshot import RankSnapshot, SnapshotHead, SnapshotUnavailable, read_bucket, snapshot_key
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.runtime.stream_state import stream_holdings
@@ -120,7 +120,12 @@ def replayed(keeper: ResidencyKeeper, dp_rank: int, headers: dict[str, str], dat
     speaks for another worker, rank or group). A record that resets the view
     leaves it partial when the stream (`holdings`) no longer holds every
     message after it."""
-    why = keeper.apply_payload(headers, data, origin=subject_origin(subject))
+    # A reply-subject copy (bridge.contract.identity) is not the bridge's own message, whatever it says.
+    why = Refusal.REPLY_COPY if reply_copy(headers) else None
+    if why is not None:
+        keeper.refused[why] += 1
+    else:
+        why = keeper.apply_payload(headers, data, origin=subject_origin(subject))
     if why is not None:
         if keeper.refused[why] == 1:
             log.warning("message_refused", subject=subject[:300], reason=why.value, dp_rank=dp_rank,
