@@ -39,6 +39,8 @@ class Feeder:
         self.sock.setsockopt(zmq.XPUB_NODROP, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
+        # the endpoint bound (a `:0` or `:*` port is the kernel's choice)
+        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.seq = 0
 
     def wait_sub(self, timeout: float) -> dict[str, Any]:
@@ -100,7 +102,7 @@ def main() -> int:
     args = ap.parse_args()
     feeder = Feeder(args.endpoint, args.traffic, args.hwm)
     out = sys.stdout
-    out.write(json.dumps({"ready": True}) + "\n")
+    out.write(json.dumps({"ready": True, "endpoint": feeder.endpoint}) + "\n")
     out.flush()
     try:
         for line in sys.stdin:

@@ -276,14 +276,15 @@ class Runner:
 
     async def start(self) -> None:
         plan = self.plan
-        port = free_port()
-        endpoint = f"tcp://127.0.0.1:{port}"
         py = sys.executable
         self.cursor = dict.fromkeys(self.pools, 0)
-        self.publisher = Child(f"{self.name}-publisher", [py, "-m", "bench.publisher", "--endpoint", endpoint,
-                                                          "--traffic", str(self.traffic)], plan.log_dir, True)
+        # The publisher binds a port of the kernel's choosing and says which:
+        # a port picked here and bound there could be taken in between.
+        self.publisher = Child(f"{self.name}-publisher", [py, "-m", "bench.publisher", "--endpoint",
+                                                          "tcp://127.0.0.1:*", "--traffic", str(self.traffic)],
+                               plan.log_dir, True)
         await self.publisher.start()
-        await self.publisher.read(60)
+        endpoint = (await self.publisher.read(60))["endpoint"]
         if self.mode != "floor":
             self.server = nats_server(self.tmp, self.name).start()
         if self.mode == "floor":
