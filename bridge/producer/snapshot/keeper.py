@@ -237,21 +237,36 @@ class ResidencyKeeper:
         )
 
     async def export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
-        """The rank's snapshot and its encoding, made in a worker thread so
-        the loop goes on reading ZMQ and publishing (a million blocks take a
-        second or more); the index is left alone meanwhile: what comes waits
-        in the log. Apply the log first (`catch_up_all`) for the latest."""
+        """The rank's snapshot and its encoding, taken on the loop in slices
+        of about `IDLE_SLICE_S` (a million blocks take a second or more), so
+        that the loop reads ZMQ and publishes between them. Not in a worker
+        thread: that one holds the GIL but for the loop's turns, each of
+        which first waits out the interpreter's 5 ms switch interval, so a
+        batch meanwhile waits several of them. The index is left alone
+        meanwhile: what comes waits in the log. Apply the log first
+        (`catch_up_all`) for the latest."""
         if self._lost and not self._exporting:
             self._mark_lost()
         self._exporting += 1
         try:
-            return await anyio.to_thread.run_sync(self._export, dp_rank)
+            through = self._through.get(dp_rank)
+            steps = self.index.snapshot_steps(
+                self.worker, dp_rank, through=through.msg_id if through else "",
+                stream_seq=through.seq if through else 0, now=time.time(),
+            )
+            clock = time.perf_counter
+            while True:
+                end = clock() + IDLE_SLICE_S
+                try:
+                    while clock() < end:
+                        next(steps)
+                except StopIteration as done:
+                    snap: RankSnapshot | None = done.value
+                    break
+                await anyio.sleep(0)
+            return None if snap is None else (snap, encode_snapshot(snap))
         finally:
             self._exporting -= 1
-
-    def _export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
-        snap = self.snapshot(dp_rank)
-        return None if snap is None else (snap, encode_snapshot(snap))
 
     def forget(self, dp_rank: int) -> None:
         """The rank's view is gone (a rebuild starts it again)."""
