@@ -176,10 +176,13 @@ class ResidencyKeeper:
 
     async def catch_up_all(self) -> None:
         """Applies what is logged now, a slice at a time between the loop's
-        other work; waits out an export in progress."""
+        other work (the slices the idle keeper takes: a bucket write in
+        JetStream mode may find the whole --snapshot-log-bytes waiting, and
+        the relay waits up to a slice per turn); waits out an export in
+        progress."""
         target = self.pending
         while target > 0 and self._log:
-            n = self.catch_up(target, seconds=IDLE_SLICE_S * 4)
+            n = self.catch_up(target, seconds=IDLE_SLICE_S)
             target -= n
             await anyio.sleep(0 if n else 0.005)
 
