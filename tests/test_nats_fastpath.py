@@ -271,3 +271,59 @@ async def test_writes_are_refused_while_nats_py_is_not_connected(nats_server: Na
         await nc.close()
         with pytest.raises(nats.errors.ConnectionClosedError):
             await path.write(nc, [Outgoing("kv.w.0", b"p", {}, "attention", 1)], None)
+
+
+async def test_acks_gathered_while_the_socket_rests_all_arrive_and_reading_resumes(
+        nats_server: NatsServerProcess) -> None:
+    """After a read of nothing but acks the fast path leaves the socket
+    unread a moment (BridgeClient.gather_acks): every ack still reaches the
+    window, in order, and what is not an ack (a PONG, another
+    subscription's message) still arrives once reading resumes."""
+    from bridge.producer.sink.encode import Outgoing
+    from bridge.producer.sink.nats_fastpath import ACK_GATHER_S, BridgeClient
+
+    admin = await nats.connect(nats_server.url)
+    path = FastPath()
+    nc = path.new_client()
+    await nc.connect(nats_server.url)
+    assert isinstance(nc, BridgeClient)
+    try:
+        await admin.jetstream().add_stream(name="GATHER", subjects=["gather.>"])
+        acked: list[int] = []
+        paused = 0
+        real_gather = nc.gather_acks
+
+        def gather() -> None:
+            nonlocal paused
+            paused += 1
+            real_gather()
+
+        nc.gather_acks = gather  # type: ignore[method-assign]
+        inbox = nc.new_inbox()
+        await path.route_acks(nc, inbox, lambda subject, data, _: acked.append(int(subject.rsplit(b".", 1)[1])))
+        others: list[bytes] = []
+
+        async def on_other(msg: Any) -> None:
+            others.append(msg.data)
+
+        await nc.subscribe("other", cb=on_other)
+        await nc.flush()
+        n = 60
+        for i in range(n):
+            msg = Outgoing(f"gather.{i % 3}", b"x", {"Nats-Msg-Id": f"g:{i}"}, "attention", 1)
+            await path.write(nc, [msg], [f"{inbox}.{i}"])
+            if i % 10 == 9:
+                # acks come back one read at a time: the socket rests after each
+                await anyio.sleep(ACK_GATHER_S * 3)
+                await admin.publish("other", str(i).encode())
+        with anyio.fail_after(10):
+            await nc.flush()  # the PONG comes through a resting socket too
+            while len(acked) < n or len(others) < n // 10:
+                await anyio.sleep(0.01)
+        assert acked == list(range(n))
+        assert others == [str(i).encode() for i in range(9, n, 10)]
+        assert paused > 0
+        assert (await admin.jetstream().stream_info("GATHER")).state.messages == n
+    finally:
+        await nc.close()
+        await admin.close()

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterator, Sequence
 from typing import Literal, NamedTuple, Protocol, cast
 
 import msgspec
@@ -441,6 +441,19 @@ class ResidencyIndex:
                  now: float | None = None) -> RankSnapshot | None:
         """The rank's view as a snapshot after the message `through` (None
         when the index has no view of the rank)."""
+        steps = self.snapshot_steps(worker, dp_rank, through=through, stream_seq=stream_seq, now=now)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return cast("RankSnapshot | None", done.value)
+
+    def snapshot_steps(self, worker: str, dp_rank: int, *, through: str = "", stream_seq: int = 0,
+                       now: float | None = None) -> Generator[None, None, RankSnapshot | None]:
+        """`snapshot`, a piece at a time: yields every few hundred hashes and
+        returns the snapshot, so that a caller on an event loop can take a
+        large view between its other work. Nothing may change the index
+        until the generator is done."""
         view = self.views.get(WorkerKey(worker, dp_rank))
         if view is None:
             return None
@@ -448,9 +461,19 @@ class ResidencyIndex:
         for number, g in sorted(view.groups.items()):
             tiers = []
             for medium in g.trusted:  # every medium the group has a cell in
-                trusted, trusted_n = _layer(g.trusted[medium].items())
-                suspect, suspect_n = _layer(g.suspect[medium].items())
-                held, held_n = _layer(g.placeholders[medium].items())
+                layers: list[tuple[list[BlockHash], list[int]]] = []
+                for table in (g.trusted[medium], g.suspect[medium], g.placeholders[medium]):
+                    hashes: list[BlockHash] = []
+                    copies: list[int] = []
+                    for h, n in table.pairs():
+                        hashes.append(h)
+                        copies.append(n)
+                        if not len(hashes) % _SNAPSHOT_STEP:
+                            yield
+                    # Copies left out when every count is one.
+                    layers.append((hashes, [] if all(n == 1 for n in copies) else copies))
+                    yield
+                (trusted, trusted_n), (suspect, suspect_n), (held, held_n) = layers
                 tiers.append(TierState(medium, trusted, trusted_n, suspect, suspect_n, held, held_n))
             groups.append(GroupState(number, g.kind, g.family, g.block_size, g.window, g.last_position, g.stored,
                                      g.removed, g.unknown_removals, tiers))
@@ -511,12 +534,8 @@ class ResidencyIndex:
 # beyond it in a snapshot is damage, not residency (and would be expanded).
 _MAX_COPIES = 1 << 16
 
-
-def _layer(items: list[tuple[BlockHash, int]]) -> tuple[list[BlockHash], list[int]]:
-    """Hashes and their copies; copies left out when every count is one."""
-    hashes = [h for h, _ in items]
-    copies = [n for _, n in items]
-    return hashes, ([] if all(n == 1 for n in copies) else copies)
+# Hashes read between two steps of `snapshot_steps`: a few hundred microseconds.
+_SNAPSHOT_STEP = 256
 
 
 def _copies(hashes: list[BlockHash], copies: list[int]) -> list[BlockHash]:

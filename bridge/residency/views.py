@@ -45,8 +45,12 @@ class _Table(Mapping[BlockHash, int]):
                 yield h
 
     def items(self) -> Any:
+        return list(self.pairs())
+
+    def pairs(self) -> Iterator[tuple[BlockHash, int]]:
+        """(hash, copies), read lazily: a long layer can be read a piece at a time."""
         g = self._g
-        return [] if g._fleet is None else list(g._fleet.layer_items(g._slot, g.group, self._medium, self._layer))
+        return iter(()) if g._fleet is None else g._fleet.layer_items(g._slot, g.group, self._medium, self._layer)
 
     def __len__(self) -> int:
         g = self._g

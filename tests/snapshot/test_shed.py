@@ -116,7 +116,7 @@ async def test_a_shed_during_an_export_reaches_the_ranks_after_it() -> None:
     bridge = Bridge(keeper)
     bridge.store(0, hi(1))
     keeper.catch_up()
-    keeper._exporting += 1  # as export() holds it while its thread runs
+    keeper._exporting += 1  # as export() holds it between its slices
     i = 2
     while not keeper.sheds:
         bridge.store(0, hi(i))
@@ -129,3 +129,52 @@ async def test_a_shed_during_an_export_reaches_the_ranks_after_it() -> None:
     assert keeper.index.view(WORKER, 0).partial  # type: ignore[union-attr]
     taken = await keeper.export(0)
     assert taken is not None and not taken[0].complete
+
+
+@pytest.mark.anyio
+async def test_an_export_gives_the_loop_its_turns_and_takes_what_snapshot_takes() -> None:
+    """A large view is exported a piece at a time on the loop (other tasks
+    run between the pieces, and nothing is applied meanwhile), and the
+    pieces make exactly the snapshot the keeper takes at once."""
+    import anyio
+
+    from bridge.contract.snapshot import encode_snapshot
+
+    keeper = ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0,))
+    bridge = Bridge(keeper)
+    for i in range(0, 6000, 3):
+        bridge.store(0, hi(i), hi(i + 1), hi(i + 2))
+    keeper.catch_up()
+    turns = 0
+    done = False
+
+    async def other() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await anyio.sleep(0)
+
+    steps = keeper.index.snapshot_steps(WORKER, 0, now=1.0)
+    pieces = 0
+    whole = None
+    while whole is None:
+        try:
+            next(steps)
+            pieces += 1
+        except StopIteration as finished:
+            whole = finished.value
+    assert pieces > 10
+    assert encode_snapshot(whole) == encode_snapshot(keeper.index.snapshot(WORKER, 0, now=1.0))  # type: ignore[arg-type]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        await anyio.sleep(0)
+        bridge.store(0, hi(9999))
+        taken = await keeper.export(0)
+        done = True
+    assert taken is not None
+    assert keeper.pending == 1  # the store that came during the export waits in the log
+    snap = keeper.snapshot(0)
+    assert snap is not None and encode_snapshot(taken[0]) == encode_snapshot(
+        msgspec.structs.replace(snap, taken_at=taken[0].taken_at))
+    assert turns > 1

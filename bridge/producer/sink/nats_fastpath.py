@@ -20,6 +20,7 @@ failed write; JetStream's de-duplication absorbs the repeats.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from collections.abc import Callable
 from typing import Final, Protocol
@@ -44,6 +45,12 @@ PINNED_NATS_PY: Final = "2.16.0"
 # Past this much unsent on the socket, fast-path writes go through nats-py's
 # pending buffer and its flusher, which waits for the socket to drain.
 _WRITE_THROUGH_BACKLOG = 1024 * 1024
+
+# How long the socket is left unread after a read that held only acks
+# (BridgeClient.gather_acks): at most 500 such reads a second, whatever the
+# stream's ack rate; far below anything that waits for an ack (--js-ack-timeout,
+# the 1 s stall check) or for the server's PONG (2 s).
+ACK_GATHER_S = 0.002
 
 # How nats-py names an inline status (`NATS/1.0 503`) among a message's headers.
 _STATUS_HEADER: Final = "Status"
@@ -113,6 +120,7 @@ class _AckParser(Parser):
             if used:
                 data = data[used:]
                 if not data:
+                    nc.gather_acks()
                     return
         await super().parse(data)
 
@@ -132,6 +140,8 @@ class BridgeClient(NatsClient):
         self._ps = _AckParser(self)
         # The sink's own writes now in nats-py's pending buffer (by identity).
         self.own_pending: list[bytes] = []
+        # The socket transport whose reading gather_acks paused (None: none).
+        self._gathering: asyncio.BaseTransport | None = None
 
     def route_acks(self, sid: int, prefix: bytes, on_ack: AckHandler) -> None:
         """From now on, subscription `sid`'s messages go to `on_ack`; `prefix`
@@ -140,6 +150,36 @@ class BridgeClient(NatsClient):
         self.ack_sid = sid
         self.ack_prefix = prefix
         self.on_ack = on_ack
+
+    def gather_acks(self) -> None:
+        """After a read that held nothing but acks: the socket is left unread
+        for `ACK_GATHER_S`, so the acks that come meanwhile are taken in one
+        read. The stream acks every message on its own, mostly one to a TCP
+        segment: read as they come, each costs a wakeup of the loop (select,
+        the transport's callback, the read loop's turn), several per batch,
+        more than the rest of the relay at small batches; and every turn the
+        loop spends on them is one a batch from vLLM may wait behind. Acks
+        only settle what is already delivered, so gathering them delays
+        nothing a subscriber sees. Reading resumes on time whatever comes;
+        while asyncio's own flow control holds the transport, it is left
+        alone."""
+        if self._gathering is not None:
+            return
+        transport = self._transport
+        writer = transport._io_writer if type(transport) is TcpTransport else None  # noqa: SLF001
+        raw = writer.transport if writer is not None else None
+        if not isinstance(raw, asyncio.ReadTransport) or raw.is_closing() or not raw.is_reading():
+            return
+        raw.pause_reading()
+        self._gathering = raw
+        asyncio.get_running_loop().call_later(ACK_GATHER_S, self._gathered, raw)
+
+    def _gathered(self, raw: asyncio.ReadTransport) -> None:
+        self._gathering = None
+        # Nothing was fed to the stream reader while paused, so its own flow
+        # control cannot have wanted the transport paused since.
+        if not raw.is_closing() and not raw.is_reading():
+            raw.resume_reading()
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
         on_ack = self.on_ack

@@ -176,10 +176,13 @@ class ResidencyKeeper:
 
     async def catch_up_all(self) -> None:
         """Applies what is logged now, a slice at a time between the loop's
-        other work; waits out an export in progress."""
+        other work (the slices the idle keeper takes: a bucket write in
+        JetStream mode may find the whole --snapshot-log-bytes waiting, and
+        the relay waits up to a slice per turn); waits out an export in
+        progress."""
         target = self.pending
         while target > 0 and self._log:
-            n = self.catch_up(target, seconds=IDLE_SLICE_S * 4)
+            n = self.catch_up(target, seconds=IDLE_SLICE_S)
             target -= n
             await anyio.sleep(0 if n else 0.005)
 
@@ -237,21 +240,36 @@ class ResidencyKeeper:
         )
 
     async def export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
-        """The rank's snapshot and its encoding, made in a worker thread so
-        the loop goes on reading ZMQ and publishing (a million blocks take a
-        second or more); the index is left alone meanwhile: what comes waits
-        in the log. Apply the log first (`catch_up_all`) for the latest."""
+        """The rank's snapshot and its encoding, taken on the loop in slices
+        of about `IDLE_SLICE_S` (a million blocks take a second or more), so
+        that the loop reads ZMQ and publishes between them. Not in a worker
+        thread: that one holds the GIL but for the loop's turns, each of
+        which first waits out the interpreter's 5 ms switch interval, so a
+        batch meanwhile waits several of them. The index is left alone
+        meanwhile: what comes waits in the log. Apply the log first
+        (`catch_up_all`) for the latest."""
         if self._lost and not self._exporting:
             self._mark_lost()
         self._exporting += 1
         try:
-            return await anyio.to_thread.run_sync(self._export, dp_rank)
+            through = self._through.get(dp_rank)
+            steps = self.index.snapshot_steps(
+                self.worker, dp_rank, through=through.msg_id if through else "",
+                stream_seq=through.seq if through else 0, now=time.time(),
+            )
+            clock = time.perf_counter
+            while True:
+                end = clock() + IDLE_SLICE_S
+                try:
+                    while clock() < end:
+                        next(steps)
+                except StopIteration as done:
+                    snap: RankSnapshot | None = done.value
+                    break
+                await anyio.sleep(0)
+            return None if snap is None else (snap, encode_snapshot(snap))
         finally:
             self._exporting -= 1
-
-    def _export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
-        snap = self.snapshot(dp_rank)
-        return None if snap is None else (snap, encode_snapshot(snap))
 
     def forget(self, dp_rank: int) -> None:
         """The rank's view is gone (a rebuild starts it again)."""
