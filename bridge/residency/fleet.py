@@ -258,8 +258,6 @@ class FleetResidency:
         b = BITS[slot]
         last_old = last_new = -1
         removed = unknown = 0
-        tier_list = self._columns.tier_list
-        forget = self._ids.forget
         for h in hashes:
             i = get(h)
             if i is not None:
@@ -273,11 +271,7 @@ class FleetResidency:
                         cell.held -= 1
                         cell.trusted -= 1
                         removed += 1
-                        for t in tier_list:
-                            if t.held[i]:
-                                break
-                        else:
-                            forget(i)
+                        self._maybe_free(i)
                         continue
                     if sid and not sid & 1 and S[sid] & b:
                         if sid != last_old:
