@@ -27,8 +27,8 @@ MAX_CACHED_COUNTS = 4096
 
 class PromptRedactor:
     """Redacts stores in place. The zero array of each token count is made
-    once: making a `msgspec.Raw` per event cost the relay more than reading
-    the count does (bench.run core at 512-event batches, docs/benchmark.md)."""
+    once and kept: making a `msgspec.Raw` per store cost the relay more than
+    reading the count does (docs/security.md, "What a reader sees")."""
 
     def __init__(self) -> None:
         self._zeros: dict[int, msgspec.Raw] = {}
