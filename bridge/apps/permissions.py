@@ -109,9 +109,14 @@ def bridge_role(worker: str, layout: Layout) -> Role:
                     f"$JS.API.CONSUMER.CREATE.{stream}.{rebuild}.{prefix}.{token}.>",
                     f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{rebuild}", f"$JS.API.CONSUMER.DELETE.{stream}.{rebuild}"]
         if snapshots:
+            # Read back through its own consumer, not direct gets: a consumer
+            # shows the stored headers, so a copy on a key is told apart.
+            kv_stream = f"KV_{snapshots}"
             publish += [f"$KV.{snapshots}.{key}", f"$KV.{snapshots}.{key}.>",
-                        f"$JS.API.DIRECT.GET.KV_{snapshots}.$KV.{snapshots}.{key}",
-                        f"$JS.API.DIRECT.GET.KV_{snapshots}.$KV.{snapshots}.{key}.>"]
+                        f"$JS.API.CONSUMER.CREATE.{kv_stream}.{rebuild}.$KV.{snapshots}.{key}",
+                        f"$JS.API.CONSUMER.CREATE.{kv_stream}.{rebuild}.$KV.{snapshots}.{key}.>",
+                        f"$JS.API.CONSUMER.MSG.NEXT.{kv_stream}.{rebuild}",
+                        f"$JS.API.CONSUMER.DELETE.{kv_stream}.{rebuild}"]
         subscribe.append(snapshot_subject(prefix, worker, rank))
     publish += ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"]
     if bucket:

@@ -28,8 +28,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
-from nats.js.kv import KeyValue
 
+from bridge.client.bucket import SnapshotBucket, open_snapshot_bucket
 from bridge.client.identity import IdentityGuard
 from bridge.client.log import get_logger
 from bridge.contract import HDR_MSG_ID, GroupMessage, WorkerRecord
@@ -38,6 +38,7 @@ from bridge.contract.identity import Refusal, key_origin
 from bridge.contract.snapshot import (
     DEFAULT_SNAPSHOT_BUCKET,
     SNAPSHOT_SERVICE,
+    CopiedValue,
     RankSnapshot,
     SnapshotMissing,
     SnapshotUnavailable,
@@ -75,7 +76,7 @@ class SnapshotSource(msgspec.Struct, frozen=True):
     seconds: float = 0.0
 
 
-async def discover(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None) -> set[RankKey]:
+async def discover(nc: NatsClient, opts: BootstrapOptions, kv: SnapshotBucket | None) -> set[RankKey]:
     """The ranks whose bridges answer `$SRV.INFO`, and those the bucket keeps."""
     found: set[RankKey] = set()
     inbox = nc.new_inbox()
@@ -105,7 +106,7 @@ def _service_ranks(data: bytes, prefix: str) -> set[RankKey]:
         return set()
 
 
-async def _bucket_ranks(nc: NatsClient, bucket: str, kv: KeyValue) -> set[RankKey]:
+async def _bucket_ranks(nc: NatsClient, bucket: str, kv: SnapshotBucket) -> set[RankKey]:
     """The ranks with a head in the bucket (heads are the keys without a dot).
 
     Listed from the bucket stream's subjects (one STREAM.INFO with a subject
@@ -124,24 +125,14 @@ async def _bucket_ranks(nc: NatsClient, bucket: str, kv: KeyValue) -> set[RankKe
         if ident is None:
             continue
         try:
-            decode_head((await kv.get(key)).value or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError, nats.errors.Error):
+            decode_head(await kv.value(key) or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError, nats.errors.Error, SnapshotUnavailable, TimeoutError):
             continue
         found.add(ident)
     return found
 
 
-async def open_snapshot_bucket(nc: NatsClient, bucket: str) -> KeyValue | None:
-    """The bucket, if the server has JetStream and the bucket exists."""
-    if not bucket:
-        return None
-    try:
-        return await nc.jetstream().key_value(bucket)
-    except (nats.js.errors.BucketNotFoundError, nats.errors.Error, TimeoutError):
-        return None
-
-
-async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, worker: str,
+async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: SnapshotBucket | None, worker: str,
                 dp_rank: int, guard: IdentityGuard | None = None) -> tuple[Found, SnapshotSource]:
     """The rank's snapshot from its bridge, else from the bucket, else a
     SnapshotMissing. A snapshot that names another rank than the one its
@@ -173,7 +164,11 @@ async def fetch(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, wor
         why = f"the bridge's answer: {exc}"
     if kv is not None:
         try:
-            found = await read_bucket(lambda key: _get(kv, key), worker, dp_rank)
+            found = await read_bucket(kv.value, worker, dp_rank)
+        except CopiedValue as exc:
+            found = None
+            guard.refuse(Refusal.REPLY_COPY, f"snapshot bucket {kv.name}", None, None)
+            why = f"{why}; bucket: {exc}"
         except (SnapshotUnavailable, nats.errors.Error, TimeoutError) as exc:
             found = None
             why = f"{why}; bucket: {exc}"
@@ -197,14 +192,7 @@ def _refusal(says_worker: str, says_rank: int, worker: str, dp_rank: int) -> Ref
     return Refusal.RANK if says_rank != dp_rank else None
 
 
-async def _get(kv: KeyValue, key: str) -> bytes | None:
-    try:
-        return (await kv.get(key)).value
-    except nats.js.errors.KeyNotFoundError:
-        return None
-
-
-async def fetch_all(nc: NatsClient, opts: BootstrapOptions, kv: KeyValue | None, ranks: Iterable[RankKey],
+async def fetch_all(nc: NatsClient, opts: BootstrapOptions, kv: SnapshotBucket | None, ranks: Iterable[RankKey],
                     guard: IdentityGuard | None = None) -> tuple[dict[RankKey, Found], list[SnapshotSource]]:
     """Every rank's snapshot, fetched side by side."""
     found: dict[RankKey, Found] = {}

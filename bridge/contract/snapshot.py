@@ -27,12 +27,13 @@ Snapshots are always msgpack: hashes may be bytes.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import msgspec
 
 from bridge.contract.events import BlockHash
+from bridge.contract.identity import reply_copy
 from bridge.contract.registry import registry_key
 from bridge.contract.subjects import worker_token
 
@@ -230,6 +231,26 @@ class SnapshotMissing(msgspec.Struct, frozen=True):
 
 class SnapshotUnavailable(Exception):
     """No usable snapshot: none kept, parts missing, or not decodable."""
+
+
+class CopiedValue(SnapshotUnavailable):
+    """A bucket key holds a copy of another message, stored there by
+    someone's read (bridge.contract.identity.reply_copy), not the bridge's write."""
+
+
+# The header a key-value bucket marks a deleted or purged key with.
+KV_OPERATION: Final = "KV-Operation"
+_GONE: Final = frozenset({"DEL", "PURGE"})
+
+
+def stored_value(key: str, headers: Mapping[str, str] | None, data: bytes | None) -> bytes | None:
+    """A snapshot bucket key's value as stored (`headers`: the stored ones,
+    not a direct get's): None for a deleted key; CopiedValue for a copy."""
+    if reply_copy(headers):
+        raise CopiedValue(f"bucket key {key[:200]} holds a copy another user's read stored there (refused)")
+    if headers and headers.get(KV_OPERATION) in _GONE:
+        return None
+    return data
 
 
 def encode_request(req: SnapshotRequest) -> bytes:

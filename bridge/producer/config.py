@@ -9,6 +9,7 @@ in bridge.runtime.access, which the consumers' tools share.
 from __future__ import annotations
 
 import argparse
+import enum
 import socket
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -34,6 +35,13 @@ from bridge.runtime.access import (
 # under the chart's 512 Mi limit (tests/test_hostile.py measures it).
 DEFAULT_MAX_FRAME_BYTES: dict[str, int] = {"msgpack": 8 * 1024 * 1024, "json": 4 * 1024 * 1024}
 
+class PromptData(enum.Enum):
+    """`--prompt-data`: what relayed stores say of the prompt (docs/security.md)."""
+
+    REDACT = "redact"  # token ids become as many zeros; extra_keys and lookahead token ids go
+    RELAY = "relay"  # as vLLM sent them
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("--vllm-url", "str", "",
            "vLLM's HTTP server (e.g. http://127.0.0.1:8000): read its /kv_event_sources (vLLM 0.31.0 and later), subscribe to every rank it lists and follow its restarts. Replaces --zmq-endpoint, --replay-endpoint, --dp-ranks and --topic."),
@@ -55,7 +63,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--prompt-data", "choice", "redact",
            "What relayed stores say of the prompt. redact: token ids become as many zeros, extra_keys (which "
            "carry cache_salt) and lookahead token ids go; relay: as vLLM sent them, for consumers that hash "
-           "tokens themselves (docs/security.md).", ("redact", "relay")),
+           "tokens themselves (docs/security.md).", tuple(p.value for p in PromptData)),
     Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
     Option("--max-frame-bytes", "int", 0, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped. 0: 8 MiB with msgpack output, 4 MiB with JSON output (which decodes every field, so a frame costs more memory)."),
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
@@ -106,6 +114,7 @@ OPTIONS: tuple[Option, ...] = (
 # A model or tenant name: a Hugging Face repo id or a path is far shorter.
 MAX_NAME = 1024
 
+
 _DEFAULTS: dict[str, Any] = {opt.dest: opt.default for opt in OPTIONS}
 
 
@@ -123,7 +132,7 @@ class Settings(NatsAccess, frozen=True):
     tenant: str
     format: str
     group_kind: dict[int, str]
-    prompt_data: str
+    prompt_data: PromptData
     keep_placeholders: bool
     max_frame_bytes: int
     max_buffered_batches: int
@@ -231,6 +240,7 @@ def _validated(values: dict[str, Any], environ: Mapping[str, str]) -> Settings:
         values["worker_id"] = validate_worker_id(worker)
     except ValueError as exc:
         raise ConfigError("--worker-id", str(exc)) from None
+    values["prompt_data"] = PromptData(values["prompt_data"])
     check(bool(values["tenant"]), "--tenant", "must not be empty")
     check(len(values["model"]) <= MAX_NAME, "--model", f"takes at most {MAX_NAME} characters")
     check(len(values["tenant"]) <= MAX_NAME, "--tenant", f"takes at most {MAX_NAME} characters")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bridge.producer.config import Settings
+from bridge.producer.config import PromptData, Settings
 
 
 class StreamPlan(msgspec.Struct, frozen=True):
@@ -37,7 +37,7 @@ class StreamSettings(msgspec.Struct, frozen=True):
     def of(cls, s: Settings) -> StreamSettings:
         return cls(s.worker_id, s.topic, s.subject_prefix, s.group_kind, s.keep_placeholders, s.max_frame_bytes,
                    s.zmq_rcvhwm, s.coalesce_ms / 1000, s.replay_timeout, s.idle_probe_interval, s.replay_retries,
-                   s.prompt_data == "redact")
+                   s.prompt_data is PromptData.REDACT)
 
 
 def stream_plans(s: Settings) -> list[StreamPlan]:

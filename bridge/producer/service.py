@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import Counter as CountOf
 from contextlib import ExitStack
 
 import anyio
@@ -15,6 +16,7 @@ import zmq
 
 from bridge import __version__
 from bridge.contract import WorkerEntry
+from bridge.contract.identity import Refusal
 from bridge.producer.config import Settings
 from bridge.producer.pipeline import StreamPipeline
 from bridge.producer.plan import StreamSettings, stream_plans
@@ -257,7 +259,8 @@ class Bridge:
                 continue
             # With no bucket the rank is rebuilt from the stream alone (partial
             # unless the stream still holds the start of its epoch).
-            head = await rebuild_rank(js, self.keeper, kv, stream=s.stream_name, subject_base=pipeline.subjects.base,
+            head = await rebuild_rank(js, self.keeper, None if kv is None else s.snapshot_bucket,
+                                      stream=s.stream_name, subject_base=pipeline.subjects.base,
                                       dp_rank=pipeline.plan.dp_rank)
             if writer is not None:
                 writer.resume_slot(pipeline.plan.dp_rank, head)
@@ -292,7 +295,11 @@ class Bridge:
 
     async def _open_stream(self) -> list[ResumePoint | None]:
         ranks = [(p.subjects.base, p.plan.dp_rank) for p in self._pipelines]
-        return await open_stream(self._js, self.settings, self.health, ranks, self.sink.denied)
+        passed: CountOf[Refusal] = CountOf()
+        points = await open_stream(self._js, self.settings, self.health, ranks, self.sink.denied, passed)
+        for why, n in passed.items():
+            self.metrics.read_back_refused_by[why.value].inc(n)
+        return points
 
     def _js(self) -> nats.js.JetStreamContext:
         js = self.sink.js

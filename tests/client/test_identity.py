@@ -13,6 +13,7 @@ import pytest
 import structlog
 
 from bridge.client.bootstrap import BootstrapOptions, fetch
+from bridge.client.bucket import SnapshotBucket
 from bridge.client.connection import BusConnection
 from bridge.client.identity import IdentityGuard
 from bridge.client.registry import RegistryFollower
@@ -180,7 +181,8 @@ async def test_a_snapshot_of_another_rank_is_refused_from_the_service_and_the_bu
         await kv.put(key, encode_head(head))
         await kv.put(part_key(key, "a", 0), encode_part(parts[0]))
         guard = IdentityGuard()
-        got, source = await fetch(nc, BootstrapOptions(timeout_s=2.0), kv, "a", 0, guard)
+        bucket = SnapshotBucket(nc.jetstream(), "kv_snapshots")
+        got, source = await fetch(nc, BootstrapOptions(timeout_s=2.0), bucket, "a", 0, guard)
         assert type(got) is SnapshotMissing and source.source == "none"
         assert "another rank" in got.reason
         assert guard.refused == {Refusal.WORKER: 2}
@@ -188,7 +190,7 @@ async def test_a_snapshot_of_another_rank_is_refused_from_the_service_and_the_bu
         # A head that says a while its snapshot says b is refused too.
         await kv.put(key, encode_head(msgspec.structs.replace(head, worker="a")))
         guard = IdentityGuard()
-        got, _ = await fetch(nc, BootstrapOptions(timeout_s=2.0), kv, "a", 0, guard)
+        got, _ = await fetch(nc, BootstrapOptions(timeout_s=2.0), bucket, "a", 0, guard)
         assert type(got) is SnapshotMissing and guard.refused[Refusal.WORKER] == 2
     finally:
         await nc.close()

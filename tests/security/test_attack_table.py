@@ -28,13 +28,26 @@ import nats.js.errors
 import pytest
 
 from bridge.apps.permissions import Layout, roles, server_config
+from bridge.client.bootstrap import BootstrapOptions, fetch
+from bridge.client.bucket import open_snapshot_bucket
 from bridge.client.connection import BusConnection, settings_for
+from bridge.client.identity import IdentityGuard
 from bridge.client.registry import RegistryFollower
 from bridge.client.subscribe import BusItem, BusMessage, BusSubscriber, StartAt
 from bridge.contract import BlockStored, GroupMessage, WorkerRecord
-from bridge.contract.identity import Refusal
+from bridge.contract.identity import Refusal, reply_copy
+from bridge.contract.snapshot import (
+    SNAPSHOT_VERSION,
+    RankSnapshot,
+    SnapshotHead,
+    SnapshotMissing,
+    encode_head,
+    encode_part,
+    encode_snapshot,
+    split,
+)
 from bridge.runtime.nats_server import NatsServerProcess
-from tests.faults.harness import http_get, wait_http
+from tests.faults.harness import ATTN_GROUP, http_get, wait_http
 from tests.security.secure_nats import secret_word, start_server
 from tests.security.test_least_privilege import Worker
 
@@ -317,6 +330,14 @@ async def test_attack_table_jetstream(tmp_path: Path, capsys: pytest.CaptureFixt
             ("bridge a", "its own rebuild consumer, filtered on b's subjects", REFUSED,
              lambda: a.request("$JS.API.CONSUMER.CREATE.KV_EVENTS.kvb-rebuild-a.kv.a.>", {
                  "stream_name": "KV_EVENTS", "config": {"name": "kvb-rebuild-a", "filter_subject": "kv.b.>"}})),
+            ("bridge a", "its own rebuild consumer on the snapshot bucket, filtered on b's keys", REFUSED,
+             lambda: a.request("$JS.API.CONSUMER.CREATE.KV_kv_snapshots.kvb-rebuild-a.$KV.kv_snapshots.b.>", {
+                 "stream_name": "KV_kv_snapshots", "config": {"name": "kvb-rebuild-a",
+                                                              "filter_subject": "$KV.kv_snapshots.b.>"}})),
+            ("bridge a", "its own rebuild consumer on the snapshot bucket, its key in the subject, b's in the body",
+             REFUSED, lambda: a.request("$JS.API.CONSUMER.CREATE.KV_kv_snapshots.kvb-rebuild-a.$KV.kv_snapshots.a", {
+                 "stream_name": "KV_kv_snapshots", "config": {"name": "kvb-rebuild-a",
+                                                              "filter_subject": "$KV.kv_snapshots.b"}})),
             ("bridge a", "delete someone else's consumer", REFUSED,
              lambda: a.request("$JS.API.CONSUMER.DELETE.KV_EVENTS.someone-elses")),
             ("reader", "put $KV.kv_workers.a", REFUSED, lambda: reader.publish("$KV.kv_workers.a")),
@@ -368,6 +389,7 @@ async def test_attack_table_jetstream(tmp_path: Path, capsys: pytest.CaptureFixt
 
         # What subject permissions cannot stop, and consumer names: read back.
         rows += await _reply_copy_rows(a, reader, admin, server.url, pw)
+        rows += await _restart_rows(a, admin, workers[1], server.url, pw)
         _print(rows, capsys)
         assert [r for r in rows if r.verdict.startswith("FAIL")] == [], \
             table([r for r in rows if r.verdict.startswith("FAIL")])
@@ -556,11 +578,87 @@ async def _reply_copy_rows(a: Client, reader: Client, admin: Client, url: str, p
 
 
 async def _delete_marker_onto_b(a: Client) -> None:
-    """A delete marker is a put a bridge may make on its own snapshot keys;
-    read back with b's registry key as the reply, it says `KV-Operation: DEL` there."""
-    await a.nc.jetstream().publish("$KV.kv_snapshots.a.zz", b"", headers={"KV-Operation": "DEL"})
-    await a.nc.publish("$JS.API.DIRECT.GET.KV_kv_snapshots.$KV.kv_snapshots.a.zz", b"", reply="$KV.kv_workers.b")
+    """A message of a's own that says `KV-Operation: DEL` (a delete marker);
+    read back with b's registry key as the reply, it says so there."""
+    await a.nc.jetstream().publish("kv.a.zz", b"", headers={"KV-Operation": "DEL"})
+    await a.nc.publish("$JS.API.DIRECT.GET.KV_EVENTS.kv.a.zz", b"", reply="$KV.kv_workers.b")
     await a.nc.flush()
+
+
+async def _restart_rows(a: Client, admin: Client, b: Worker, url: str, pw: dict[str, str]) -> list[Row]:
+    """While b is down, a has copies of messages of its own making read back
+    onto b's subjects and snapshot keys: one saying b's epoch at seq +1000
+    (were it b's resume point, b would take its next batches as stored
+    already), a snapshot head and part saying b. A reader's bootstrap, which
+    b's service cannot answer, and b itself on restart must take none of it."""
+    js = admin.nc.jetstream()
+    assert await anyio.to_thread.run_sync(b.bridge.stop) == 0
+    stop = msgspec.msgpack.decode((await js.get_last_msg("KV_EVENTS", "kv.b.worker")).data, type=WorkerRecord)
+    assert stop.type == "stop" and stop.seq is not None
+    ajs = a.nc.jetstream()
+    await ajs.publish("kv.a.9", msgspec.msgpack.encode(GroupMessage(
+        v=1, worker="b", dp_rank=0, epoch=stop.epoch, seq=stop.seq + 1000, ts=0.0, group=ATTN_GROUP,
+        kind="full_attention", family="attention", kind_source="event",
+        events=[BlockStored(block_hashes=[0xBAD], parent_block_hash=None, token_ids=[], block_size=16,
+                            lora_id=None, medium="GPU", lora_name=None)])), headers={"Kvb-Format": "msgpack"})
+    for _ in range(3):
+        await a.nc.publish("$JS.API.DIRECT.GET.KV_EVENTS.kv.a.9", b"", reply=f"kv.b.{ATTN_GROUP}")
+    forged = RankSnapshot(v=SNAPSHOT_VERSION, worker="b", dp_rank=0, epoch=stop.epoch, taken_at=1.0, through="x",
+                          stream_seq=1 << 40)
+    data = encode_snapshot(forged)
+    (part,) = split(forged, data, "forged", 1 << 20)
+    head = SnapshotHead(v=1, worker="b", dp_rank=0, id="forged", slot="a", parts=1, epoch=stop.epoch,
+                        stream_seq=1 << 40, taken_at=1.0, bytes=len(data))
+    for subject, body, key in (("kv.a.97", encode_part(part), "b.a.0"), ("kv.a.98", encode_head(head), "b")):
+        await ajs.publish(subject, body)
+        await a.nc.publish(f"$JS.API.DIRECT.GET.KV_EVENTS.{subject}", b"", reply=f"$KV.kv_snapshots.{key}")
+    await a.nc.flush()
+    with anyio.fail_after(10):
+        while reply_copy((await js.get_last_msg("KV_kv_snapshots", "$KV.kv_snapshots.b")).headers) is False:
+            await anyio.sleep(0.05)
+    rows = []
+
+    conn = await _reader_view(url, pw)
+    try:
+        guard = IdentityGuard()
+        bucket = await open_snapshot_bucket(conn.nc, "kv_snapshots")  # type: ignore[arg-type]
+        got, source = await fetch(conn.nc, BootstrapOptions(timeout_s=2.0), bucket, "b", 0,  # type: ignore[arg-type]
+                                  guard)
+    finally:
+        await conn.close()
+    row = Row("JetStream", "bridge a", "a snapshot head and part saying b, of its own making, read back onto b's "
+              "snapshot keys while b is down; a reader's bootstrap", HARMLESS,
+              f"{type(got).__name__} from {source.source}; refused as copies: {guard.refused[Refusal.REPLY_COPY]}")
+    row.verdict = "ok" if type(got) is SnapshotMissing and guard.refused[Refusal.REPLY_COPY] == 1 else "FAIL"
+    rows.append(row)
+
+    b.bridge.start()
+    await wait_http(b.http, timeout=30)
+    b.publish(5)
+    last = stop.seq + 5
+
+    async def own_last() -> int:
+        raw = await js.get_last_msg("KV_EVENTS", f"kv.b.{ATTN_GROUP}")  # the stream's message get: stored headers
+        return -1 if reply_copy(raw.headers) else msgspec.msgpack.decode(raw.data, type=GroupMessage).seq
+
+    with anyio.move_on_after(20):
+        while await own_last() < last:
+            await anyio.sleep(0.1)
+    seen = await own_last()
+    logs = b.bridge.logs()
+    passed = [e.get("passed") for e in logs if e.get("event") == "resume_point_copies_passed"]
+    unreadable = [str(e.get("error", "")) for e in logs if e.get("event") == "snapshot_bucket_unreadable"]
+    row = Row("JetStream", "bridge a", "3 copies of a group message saying b's epoch at seq +1000 read back onto "
+              f"kv.b.{ATTN_GROUP} while b is down; b restarts and relays 5 batches", HARMLESS,
+              f"b passed over {passed[-1] if passed else 0} copies to its own last message; its newest stored "
+              f"batch is seq {seen} (sent up to {last})")
+    row.verdict = "ok" if passed and passed[-1] == 3 and seen == last else "FAIL"
+    rows.append(row)
+    row = Row("JetStream", "bridge a", "the snapshot copies above; b's rebuild on restart", HARMLESS,
+              f"b's rebuild refused the bucket: {unreadable[-1] if unreadable else 'no'}")
+    row.verdict = "ok" if unreadable and "copy" in unreadable[-1] else "FAIL"
+    rows.append(row)
+    return rows
 
 
 async def test_attack_table_core(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

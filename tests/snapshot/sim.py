@@ -25,6 +25,7 @@ from nats.js.api import RawStreamMsg
 from nats.js.kv import KeyValue
 from nats.micro.request import Request
 
+from bridge.client.bucket import SnapshotBucket
 from bridge.contract import HDR_MSG_ID, RecordType
 from bridge.contract.snapshot import PART_OVERHEAD, SNAPSHOT_SERVICE, snapshot_subject
 from bridge.producer.normalize.normalizer import StreamIdentity
@@ -32,6 +33,7 @@ from bridge.producer.sink.acks import AckWindow
 from bridge.producer.sink.encode import MessageEncoder, Outgoing
 from bridge.producer.sink.framing import Framing
 from bridge.producer.sink.queue import OutBatch
+from bridge.producer.sink.rank_reader import StoredMessage
 from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.snapshot.bucket import SnapshotWriter
 from bridge.producer.snapshot.keeper import ResidencyKeeper
@@ -66,6 +68,7 @@ class Stream:
         self.held: deque[tuple[int, Outgoing]] = deque()
         self.last_seq = 0
         self._ids: dict[str, int] = {}
+        self._reading: deque[tuple[int, Outgoing]] = deque()
 
     @property
     def first_seq(self) -> int:
@@ -107,6 +110,32 @@ class Stream:
                 return RawStreamMsg(subject=msg.subject, seq=seq, data=msg.payload, headers=dict(msg.headers))
         raise nats.js.errors.NotFoundError()
 
+    # -- and the rank's consumer it reads the stored headers with (rank_reader) --
+
+    async def add_consumer(self, stream: str, config: Any) -> SimpleNamespace:
+        assert stream == STREAM and config.filter_subject.endswith(".>")
+        base = config.filter_subject[:-1]
+        self._reading = deque((s, m) for s, m in self.held if s >= config.opt_start_seq and m.subject.startswith(base))
+        return SimpleNamespace(num_pending=len(self._reading))
+
+    async def pull_subscribe_bind(self, consumer: str, stream: str) -> Stream:
+        return self
+
+    async def fetch(self, batch: int, timeout: float) -> list[SimpleNamespace]:
+        out = []
+        while self._reading and len(out) < batch:
+            seq, msg = self._reading.popleft()
+            meta = SimpleNamespace(sequence=SimpleNamespace(stream=seq), num_pending=len(self._reading))
+            out.append(SimpleNamespace(subject=msg.subject, headers=dict(msg.headers), data=msg.payload,
+                                       metadata=meta))
+        return out
+
+    async def unsubscribe(self) -> None:
+        return None
+
+    async def delete_consumer(self, stream: str, name: str) -> bool:
+        return True
+
 
 class MemoryBucket:
     """A key-value bucket (history 1): the calls of nats' KeyValue that the
@@ -140,8 +169,18 @@ class MemoryBucket:
         """`read_bucket`'s get."""
         return self.values.get(key)
 
+    def stored(self) -> dict[str, StoredMessage]:
+        """What the rebuild reads with its consumer (rebuild.own_bucket_keys): each key as stored."""
+        return {k: StoredMessage(n, f"$KV.kv_snapshots.{k}", {}, v) for n, (k, v) in enumerate(self.values.items())}
+
     def as_kv(self) -> KeyValue:
         return cast(KeyValue, self)
+
+    name = "kv_snapshots"
+
+    def as_bucket(self) -> SnapshotBucket:
+        """What a consumer's bootstrap reads (`value`, `name`)."""
+        return cast(SnapshotBucket, self)
 
 
 class SimBridge:

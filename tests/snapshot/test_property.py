@@ -70,7 +70,7 @@ from bridge.contract.snapshot import RankSnapshot, SnapshotMissing, decode_head,
 from bridge.producer.sink.encode import Outgoing
 from bridge.producer.sink.jetstream import last_point
 from bridge.producer.sink.queue import OutBatch
-from bridge.producer.snapshot.rebuild import bucket_get, replayed, restore_rank
+from bridge.producer.snapshot.rebuild import bucket_value, replayed, restore_rank
 from bridge.residency import ResidencyIndex, WorkerView
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, removed, stored
 from tests.client.model import replay
@@ -547,8 +547,8 @@ class LateJoinerVersusWatcher(RuleBasedStateMachine):
         """`rebuild_rank` without NATS: its pure steps on the simulated bucket and stream."""
         assert self.bridge is not None and self.bucket is not None
         keeper = self.bridge.keeper
-        kv = self.bucket.as_kv()
-        found = self.drive(read_bucket(lambda key: bucket_get(kv, key), WORKER, rank))
+        values = self.bucket.stored()
+        found = self.drive(read_bucket(lambda key: bucket_value(values, key), WORKER, rank))
         snap = found[1] if found is not None else None
         first = self.stream.first_seq
         start = restore_rank(keeper, rank, snap, first)
@@ -626,7 +626,7 @@ class LateJoinerVersusWatcher(RuleBasedStateMachine):
     def _late_step(self, late: LateJoiner) -> None:
         """Subscribe (core) and discover, fetch one rank's snapshot, or
         splice and go live."""
-        kv = self.bucket.as_kv() if self.bucket is not None and late.bucket else None
+        kv = self.bucket.as_bucket() if self.bucket is not None and late.bucket else None
         if late.wanted:
             key = late.wanted.pop(0)
             complete = self.knows_all.get(key[1], False) if self.bridge is not None else None

@@ -8,6 +8,7 @@ once instead of waiting out a timeout.
 
 from __future__ import annotations
 
+from collections import Counter as CountOf
 from collections.abc import Callable
 
 import anyio
@@ -15,6 +16,7 @@ import nats.errors
 import nats.js
 import nats.js.errors
 
+from bridge.contract.identity import Refusal
 from bridge.producer.sink.jetstream import ResumePoint, last_point
 
 # What the stream's set-up may answer while it is not ready yet.
@@ -45,17 +47,17 @@ class ResumeRead:
 
 
 async def read_point(js: nats.js.JetStreamContext, stream: str, subject_base: str,
-                     denied: Callable[[str], bool]) -> ResumeRead:
+                     denied: Callable[[str], bool], passed: CountOf[Refusal] | None = None) -> ResumeRead:
     """The stream's last point for `<subject_base>.>`, or a refused read as
-    soon as `denied` reports the direct get. Raises one of NOT_YET when the
-    stream does not answer yet."""
+    soon as `denied` reports the direct get (`passed`: as last_point's `refused`).
+    Raises one of NOT_YET when the stream does not answer yet."""
     request = direct_get_subject(stream, subject_base)
     outcome: list[ResumeRead | BaseException] = []
     async with anyio.create_task_group() as tg:
 
         async def get() -> None:
             try:
-                outcome.append(ResumeRead(True, await last_point(js, stream, subject_base)))
+                outcome.append(ResumeRead(True, await last_point(js, stream, subject_base, passed)))
             except NOT_YET as exc:
                 outcome.append(exc)
             tg.cancel_scope.cancel()

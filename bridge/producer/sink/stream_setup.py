@@ -3,6 +3,7 @@ rank's resume point read back before the first batch is taken."""
 
 from __future__ import annotations
 
+from collections import Counter as CountOf
 from collections.abc import Callable, Sequence
 from enum import Enum
 
@@ -12,6 +13,7 @@ import nats.js
 import nats.js.errors
 import structlog
 
+from bridge.contract.identity import Refusal
 from bridge.producer.config import Settings
 from bridge.producer.sink.jetstream import ResumePoint, StreamConfigError, ensure_stream
 from bridge.producer.sink.resume import NOT_YET, read_point
@@ -46,7 +48,8 @@ async def stream_state(js: nats.js.JetStreamContext, settings: Settings) -> Stre
 
 
 async def open_stream(current_js: Callable[[], nats.js.JetStreamContext], settings: Settings, health: Health,
-                      ranks: Sequence[tuple[str, int]], denied: Callable[[str], bool]) -> list[ResumePoint | None]:
+                      ranks: Sequence[tuple[str, int]], denied: Callable[[str], bool],
+                      passed: CountOf[Refusal] | None = None) -> list[ResumePoint | None]:
     """The stream made or verified, and each rank's resume point (`ranks`:
     its subject base and dp rank) read back. Until both answer (a cluster
     without a JetStream leader yet, a new replicated stream whose replicas do
@@ -54,7 +57,9 @@ async def open_stream(current_js: Callable[[], nats.js.JetStreamContext], settin
     missing) it says why, retries, and keeps the bridge not ready; nothing is
     read from ZMQ meanwhile (vLLM's replay buffer holds it). A rank whose last
     message the NATS user may not read back starts fresh instead (said once).
-    `current_js` is asked on every try: the client may be replaced meanwhile."""
+    `current_js` is asked on every try: the client may be replaced meanwhile.
+    Messages on a rank's subjects it passed over as not the bridge's own
+    (last_point) are counted in `passed`."""
     delay = 0.2
     created = False
     points: list[ResumePoint | None] = []
@@ -65,7 +70,7 @@ async def open_stream(current_js: Callable[[], nats.js.JetStreamContext], settin
             if not created:
                 await ensure_stream(js, settings)
                 created = True
-            read = await read_point(js, settings.stream_name, base, denied)
+            read = await read_point(js, settings.stream_name, base, denied, passed)
         except (StreamConfigError, *NOT_YET) as exc:
             health.stream_ready = False
             refused = isinstance(exc, StreamConfigError)

@@ -15,46 +15,75 @@ or group is refused, counted (`ResidencyKeeper.refused`) and logged once."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 import nats.errors
 import nats.js
 import nats.js.errors
 import structlog
-from nats.js import api
-from nats.js.kv import KeyValue
 
 from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, WorkerRecord, decoder_for
 from bridge.contract.holdings import StreamHoldings
 from bridge.contract.identity import Refusal, check_key, reply_copy, subject_origin
-from bridge.contract.snapshot import RankSnapshot, SnapshotHead, SnapshotUnavailable, read_bucket, snapshot_key
+from bridge.contract.snapshot import (
+    RankSnapshot,
+    SnapshotHead,
+    SnapshotUnavailable,
+    read_bucket,
+    snapshot_key,
+    stored_value,
+)
+from bridge.contract.subjects import worker_token
+from bridge.producer.sink.rank_reader import StoredMessage, rank_consumer, read_rank, read_stored
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.runtime.stream_state import stream_holdings
 
 log = structlog.get_logger("bridge.producer.snapshot")
 
-_FETCH = 256
-_FETCH_TIMEOUT_S = 2.0
+
+async def own_bucket_keys(js: nats.js.JetStreamContext, bucket: str, worker: str,
+                          dp_rank: int) -> dict[str, StoredMessage]:
+    """The rank's snapshot head and parts as the bucket stores them, by key.
+    Read with the rank's consumer on the bucket's stream, so with their
+    stored headers: a copy someone's read left on a key is told apart
+    (`stored_value`), which a direct get's answer cannot show. The consumer
+    is named and filtered in the API subject, once for the head's key and
+    once for its parts', so a least-privilege user may make just these."""
+    key = snapshot_key(worker, dp_rank)
+    name = rank_consumer(worker_token(worker, dp_rank))
+    root = f"$KV.{bucket}."
+    values: dict[str, StoredMessage] = {}
+
+    def keep(batch: list[StoredMessage]) -> bool:
+        for msg in batch:
+            values[msg.subject.removeprefix(root)] = msg
+        return True
+
+    for subject in (f"{root}{key}", f"{root}{key}.>"):
+        await read_stored(js, f"KV_{bucket}", name, subject, keep)
+    return values
 
 
-async def bucket_get(kv: KeyValue, key: str) -> bytes | None:
-    try:
-        entry = await kv.get(key)
-    except nats.js.errors.KeyNotFoundError:
-        return None
-    return entry.value
+async def bucket_value(values: Mapping[str, StoredMessage], key: str) -> bytes | None:
+    """`read_bucket`'s get over `own_bucket_keys`."""
+    msg = values.get(key)
+    return None if msg is None else stored_value(key, msg.headers, msg.data)
 
 
-async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, kv: KeyValue | None, *,
+async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, bucket: str | None, *,
                        stream: str, subject_base: str, dp_rank: int) -> SnapshotHead | None:
-    """The rank's residency as the stream holds it; returns the bucket head
-    it started from (None: none)."""
+    """The rank's residency as the stream holds it, from the snapshot
+    `bucket`'s latest (None: no bucket); returns the head it started from
+    (None: none)."""
     worker = keeper.worker
     keeper.forget(dp_rank)
     head = snap = None
-    if kv is not None:
+    if bucket is not None:
         try:
-            found = await read_bucket(lambda key: bucket_get(kv, key), worker, dp_rank)
-        except (SnapshotUnavailable, nats.errors.Error) as exc:
+            values = await own_bucket_keys(js, bucket, worker, dp_rank)
+            found = await read_bucket(lambda key: bucket_value(values, key), worker, dp_rank)
+        except (SnapshotUnavailable, nats.errors.Error, TimeoutError, OSError) as exc:
             log.warning("snapshot_bucket_unreadable", dp_rank=dp_rank, error=str(exc)[:200])
             found = None
         if found is not None:
@@ -74,7 +103,7 @@ async def rebuild_rank(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, kv
         return head
     start = restore_rank(keeper, dp_rank, snap, holdings)
     try:
-        applied = await _replay(js, keeper, stream, f"{subject_base}.>", start, dp_rank, holdings)
+        applied = await _replay(js, keeper, stream, subject_base, start, dp_rank, holdings)
     except (nats.errors.Error, TimeoutError, OSError) as exc:
         keeper.index.missing(worker, dp_rank)
         _failed(dp_rank, stream, exc)
@@ -147,38 +176,13 @@ def _failed(dp_rank: int, stream: str, exc: BaseException) -> None:
                 detail=str(exc)[:200])
 
 
-async def _replay(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, stream: str, subject: str, start: int,
+async def _replay(js: nats.js.JetStreamContext, keeper: ResidencyKeeper, stream: str, subject_base: str, start: int,
                   dp_rank: int, holdings: StreamHoldings) -> int:
-    """The stream's messages on `subject` from `start`, applied in order."""
-    # Named for the rank, so a least-privilege user may make just this one (docs/security.md).
-    name = f"kvb-rebuild-{subject.rstrip('.>').rpartition('.')[2]}"
-    config = api.ConsumerConfig(
-        name=name, filter_subject=subject, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
-        ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True, num_replicas=1,
-    )
-    info = await js.add_consumer(stream, config)
-    applied = 0
-    try:
-        remaining = info.num_pending
-        if not remaining:
-            return 0
-        sub = await js.pull_subscribe_bind(consumer=name, stream=stream)
-        try:
-            while remaining:
-                try:
-                    msgs = await sub.fetch(_FETCH, timeout=_FETCH_TIMEOUT_S)
-                except nats.errors.TimeoutError:
-                    break
-                for msg in msgs:
-                    replayed(keeper, dp_rank, dict(msg.headers or {}), msg.data, msg.metadata.sequence.stream,
-                             msg.subject, holdings)
-                    applied += 1
-                    remaining = msg.metadata.num_pending
-        finally:
-            await sub.unsubscribe()
-    finally:
-        try:
-            await js.delete_consumer(stream, name)
-        except Exception as exc:  # it goes by itself after inactive_threshold
-            log.debug("rebuild_consumer_delete_failed", consumer=name, error=type(exc).__name__)
-    return applied
+    """The rank's messages the stream holds from `start`, applied in order."""
+
+    def apply(batch: list[StoredMessage]) -> bool:
+        for msg in batch:
+            replayed(keeper, dp_rank, msg.headers, msg.data, msg.seq, msg.subject, holdings)
+        return True
+
+    return await read_rank(js, stream, subject_base, start, apply)

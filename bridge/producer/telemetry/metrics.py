@@ -246,6 +246,12 @@ class Metrics:
             "kvbridge_snapshot_seconds_total", "Time spent taking snapshots for the service (applying the log, "
             "encoding).", registry=r,
         )
+        read_back_refused = Counter(
+            "kvbridge_read_back_refused_total",
+            "Messages on the bridge's own subjects, read back for its resume point, that it did not publish "
+            "(a copy stored there by someone's read, a payload naming another worker), by reason.",
+            ["reason"], registry=r,
+        )
         self.nats_permission_denied = Counter(
             "kvbridge_nats_permission_denied_total",
             "Permission violations the NATS server reported, by operation (publish, subscribe).",
@@ -257,6 +263,7 @@ class Metrics:
         self.malformed_by = Children(malformed, MALFORMED_REASONS)
         self.gaps_by = Children(gaps, GAP_REASONS)
         self.replays_by = Children(replays)
+        self.read_back_refused_by = Children(read_back_refused)
         # The hot path's own, exported by _HotCollector under the same names.
         self.batches_in = Count()
         self.events_in = Count()
