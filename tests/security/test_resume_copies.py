@@ -9,12 +9,14 @@ process, vLLM's wire from a real ZMQ publisher."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import anyio
 import msgspec
 import nats
 import nats.js
 import pytest
+from structlog.testing import capture_logs
 
 import bridge.producer.sink.jetstream as jetstream
 from bridge.apps.demo.publisher import WirePublisher
@@ -24,6 +26,8 @@ from bridge.contract.identity import Refusal, reply_copy
 from bridge.producer.sink.jetstream import last_point
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
+from tests.security.secure_nats import Permissions, start_server
+from tests.security.test_least_privilege import _accounts_config
 
 pytestmark = pytest.mark.anyio
 
@@ -156,3 +160,30 @@ async def test_more_copies_than_the_bound_leave_no_resume_point_not_a_forged_one
         await nc.close()
     assert point is None
     assert 20 <= passed[Refusal.REPLY_COPY] < 100
+
+
+async def test_a_user_not_allowed_the_rank_consumer_resumes_from_the_direct_get_unchecked(tmp_path: Path) -> None:
+    """Permissions written before the resume read used the rank's consumer
+    allow the direct get alone: the consumer is never answered, and the
+    bridge resumes from the direct get's answer as it did, unchecked and
+    said so, instead of waiting for ever."""
+    admin = Permissions(publish=[">"], subscribe=[">"])
+    bridge = Permissions(publish=["kv.w.>", f"$JS.API.DIRECT.GET.{STREAM}.kv.w.>"], subscribe=["_INBOX.>"])
+    server = start_server(tmp_path, _accounts_config({"admin": ("pw-admin", admin), "bridge": ("pw-bridge", bridge)}),
+                          jetstream=True)
+    try:
+        nc = await nats.connect(server.url, user="admin", password="pw-admin")
+        js = nc.jetstream()
+        await js.add_stream(name=STREAM, subjects=["kv.>"], allow_direct=True)
+        await js.publish("kv.w.0", _forged_group("w", 1, 7, 0))
+        await nc.close()
+        nc = await nats.connect(server.url, user="bridge", password="pw-bridge")
+        try:
+            with capture_logs() as logs:
+                point = await last_point(nc.jetstream(timeout=1.0), STREAM, "kv.w")
+        finally:
+            await nc.close()
+    finally:
+        server.stop()
+    assert point is not None and (point.epoch, point.check_seq) == (1, 7)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["resume_point_unchecked"]
