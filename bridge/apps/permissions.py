@@ -41,11 +41,11 @@ from bridge.contract.snapshot import (
     snapshot_key,
     snapshot_subject,
 )
+from bridge.runtime.access import DEFAULT_INBOX_PREFIX
 
 # The observe service's defaults (bridge.apps.fleet.options, bridge.apps.fleet.service).
 OBSERVE_SERVICE: Final = "kv-observe"
 OBSERVE_SUBJECT: Final = "kvobserve"
-INBOX_ROOT: Final = "_INBOX"
 
 
 class RoleKind(enum.Enum):
@@ -87,7 +87,7 @@ class Role(msgspec.Struct, frozen=True):
 
 
 def inbox_prefix(user: str) -> str:
-    return f"{INBOX_ROOT}.{user}"
+    return f"{DEFAULT_INBOX_PREFIX}.{user}"
 
 
 def bridge_user(worker: str) -> str:

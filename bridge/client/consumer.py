@@ -27,13 +27,13 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from bridge.client.log import get_logger
+from bridge.runtime.access import DEFAULT_INBOX_PREFIX
 
 log = get_logger("bridge.client.consumer")
 
 CONSUMER_PREFIX: Final = "kvr"
 # Names a user may use on each stream: as many of its clients read one stream at once.
 CONSUMERS_PER_USER: Final = 4
-_INBOX_ROOT: Final = "_INBOX"
 _NAME_IN_USE: Final = 10148  # JetStream: a create (action "create") of a name that exists
 _BATCH: Final = 256
 _POLL_S: Final = 2.0
@@ -48,7 +48,7 @@ class ConsumerNamesInUse(RuntimeError):
 def consumer_user(inbox_prefix: str) -> str | None:
     """The user an inbox prefix names (`_INBOX.<user>`), None for the shared `_INBOX`."""
     root, _, rest = inbox_prefix.partition(".")
-    if root != _INBOX_ROOT or not rest:
+    if root != DEFAULT_INBOX_PREFIX or not rest:
         return None
     return rest.split(".")[0]
 

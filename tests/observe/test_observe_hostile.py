@@ -13,6 +13,7 @@ from pathlib import Path
 
 import anyio
 import nats
+import nats.aio.msg
 import pytest
 
 from bench.observe_load import _fill, hostile_requests, run_clients
@@ -64,3 +65,33 @@ async def test_hostile_queries_leave_healthz_answering(nats_server: NatsServerPr
     assert report["answered"] == CLIENTS * len(requests)
     assert report["healthz_n"] >= 5 and report["healthz_max_s"] < timeout, (report, timeout)
     assert service.state.queries[("http", "error")] >= CLIENTS * 12
+
+
+async def test_requests_whose_reply_is_no_inbox_get_no_answer(nats_server: NatsServerProcess) -> None:
+    """A request (or service discovery) with a stream subject as its reply
+    would have the answer written there: observe leaves it unanswered and
+    counts it, and keeps answering inbox requests."""
+    service = ObserveService(ObserveOptions(http_host="127.0.0.1", http_port=0, bucket="", bootstrap=None))
+    body = json.dumps({"chain": [1, 2, 3]}).encode()
+    async with anyio.create_task_group() as tg:
+        await tg.start(service.run, settings_for(nats_server.url))
+        nc = await nats.connect(nats_server.url)
+        try:
+            landed: list[bytes] = []
+
+            async def on_stream_subject(msg: nats.aio.msg.Msg) -> None:
+                landed.append(msg.data)
+
+            await nc.subscribe("kv.b.0", cb=on_stream_subject)
+            for subject in ("kvobserve.prefix", "kvobserve.workers", "$SRV.INFO.kv-observe", "$SRV.PING"):
+                await nc.publish(subject, body, reply="kv.b.0")
+            await nc.flush()
+            answered = await nc.request("kvobserve.prefix", body, timeout=10)  # an inbox request, after them
+            assert "workers" in json.loads(answered.data)
+            await nc.flush()
+            await anyio.sleep(0.2)  # a stray answer would have come with the inbox one
+        finally:
+            await nc.close()
+        tg.cancel_scope.cancel()
+    assert landed == []
+    assert service.state.requests_refused == 2

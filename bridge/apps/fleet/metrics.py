@@ -57,6 +57,10 @@ class ObserveCollector(Collector):
         bad = CounterMetricFamily("kvobserve_bus_undecodable", "Bus messages that were not the contract's.")
         bad.add_metric([], st.undecodable)
         yield bad
+        refused = CounterMetricFamily("kvobserve_requests_refused",
+                                      "NATS requests left unanswered: their reply subject is no inbox (_INBOX.).")
+        refused.add_metric([], st.requests_refused)
+        yield refused
         intr = CounterMetricFamily("kvobserve_interruptions",
                                    "This consumer's own gaps (NATS disconnects, slow-consumer drops).")
         intr.add_metric([], index.interruptions)

@@ -15,6 +15,7 @@ import nats.js.errors
 import nats.micro
 import structlog
 from nats.micro.request import Request
+from nats.micro.service import ServiceConfig
 
 from bridge import __version__
 from bridge.apps.fleet import indexer
@@ -33,6 +34,7 @@ from bridge.contract.snapshot import RankSnapshot
 from bridge.contract.subjects import parse_worker_token
 from bridge.residency.views import WorkerKey
 from bridge.runtime.access import NatsAccess
+from bridge.runtime.inbox_service import InboxOnlyService, reply_of, to_inbox
 from bridge.runtime.stopping import close_quietly
 
 log = structlog.get_logger("bridge.apps.fleet")
@@ -261,6 +263,13 @@ class ObserveService:
 
     async def _serve_nats(self, nc: Any) -> None:
         async def send(req: Request, status: int, out: bytes) -> None:
+            # Not on a reply subject that is no inbox (bridge.runtime.inbox_service).
+            if not to_inbox(reply_of(req)):
+                self.state.requests_refused += 1
+                if self.state.requests_refused == 1:
+                    log.warning("request_refused", subject=req.subject[:300], reply=reply_of(req)[:300],
+                                note="answers go to inbox reply subjects only; logged once")
+                return
             # An answer over the server's max_payload would make the server
             # close this connection: an error that fits goes instead. Error
             # texts travel in a header too: one short printable line, and no
@@ -289,10 +298,11 @@ class ObserveService:
             await send(req, 200, out)
 
         version = __version__ if __version__[0].isdigit() and "+" not in __version__ else "0.0.0"
-        self.micro = await nats.micro.add_service(
-            nc, name=SERVICE_NAME, version=version, queue_group=self.opts.queue_group,
+        self.micro = InboxOnlyService(nc, ServiceConfig(
+            name=SERVICE_NAME, version=version, queue_group=self.opts.queue_group,
             description="kv-bridge observe: which workers hold a request's prefix",
-            metadata={"http_port": str(self.http_port or "")})
+            metadata={"http_port": str(self.http_port or "")}))
+        await self.micro.start()
         base = self.opts.service_subject
         await self.micro.add_endpoint(name="prefix", subject=f"{base}.prefix", handler=prefix)
         await self.micro.add_endpoint(name="workers", subject=f"{base}.workers", handler=workers)

@@ -32,6 +32,7 @@ class ObserveState:
         self.started = time.time()
         self.bus_messages = 0
         self.undecodable = 0
+        self.requests_refused = 0  # NATS requests left unanswered: their reply subject is no inbox
         self.subscribed = False
         self.nats_connected = False
         self.queries: Counter[tuple[str, str]] = Counter()  # (transport, result)

@@ -16,7 +16,6 @@ import nats.micro
 import nats.micro.service
 import structlog
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.micro.request import Request
 from nats.micro.service import ServiceConfig
 
@@ -32,14 +31,13 @@ from bridge.contract.snapshot import (
 )
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.producer.telemetry.metrics import Metrics
+from bridge.runtime.inbox_service import InboxOnlyService, reply_of, to_inbox
 
 log = structlog.get_logger("bridge.producer.snapshot")
 
 # Encoded snapshots kept for their later parts: how many, and for how long.
 _KEPT = 4
 _KEEP_S = 60.0
-# Replies go to inboxes only (every client's inbox prefix starts so).
-INBOX_ROOT = "_INBOX."
 # A request is `{"id": "<epoch>-<ms>-<n>", "part": n}`: far below this.
 MAX_REQUEST_BYTES = 512
 # Error descriptions travel in a header: at most this long, printable ASCII.
@@ -48,29 +46,6 @@ _MAX_DESCRIPTION = 200
 
 def _printable(text: str) -> str:
     return "".join(c if " " <= c <= "~" else "?" for c in text[:_MAX_DESCRIPTION])
-
-
-def _to_inbox(msg: Msg) -> bool:
-    return bool(msg.reply) and msg.reply.startswith(INBOX_ROOT)
-
-
-class _InboxOnlyService(nats.micro.service.Service):
-    """nats-py's service, whose discovery (`$SRV.PING`, `INFO`, `STATS`)
-    answers on inbox reply subjects only: under `allow_responses` a
-    requester could otherwise have the answer written on any subject, a
-    stream's included."""
-
-    async def _handle_ping_request(self, msg: Msg) -> None:
-        if _to_inbox(msg):
-            await super()._handle_ping_request(msg)
-
-    async def _handle_info_request(self, msg: Msg) -> None:
-        if _to_inbox(msg):
-            await super()._handle_info_request(msg)
-
-    async def _handle_stats_request(self, msg: Msg) -> None:
-        if _to_inbox(msg):
-            await super()._handle_stats_request(msg)
 
 
 class SnapshotService:
@@ -90,7 +65,7 @@ class SnapshotService:
     async def start(self, nc: NatsClient) -> None:
         worker = self._keeper.worker
         version = __version__ if __version__[0].isdigit() and "+" not in __version__ else "0.0.0"
-        self.service = _InboxOnlyService(nc, ServiceConfig(
+        self.service = InboxOnlyService(nc, ServiceConfig(
             name=SNAPSHOT_SERVICE, version=version,
             description="kv-bridge: one worker's residency snapshots, per data-parallel rank",
             metadata={"worker": worker, "prefix": self._prefix, "ranks": ",".join(map(str, self._ranks))},
@@ -122,7 +97,7 @@ class SnapshotService:
         and never more than the server's max_payload. A reply subject that
         is no inbox gets nothing: with `allow_responses` the answer could
         otherwise be written anywhere, a stream's subjects included."""
-        if not _to_inbox(req._msg):
+        if not to_inbox(reply_of(req)):
             self._metrics.snapshot_requests.labels("bad_request").inc()
             return
         if len(req.data) > MAX_REQUEST_BYTES:
