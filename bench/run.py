@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -60,12 +60,21 @@ STREAM = "KV_EVENTS"
 
 TARGETS = {
     "core_vs_floor": 0.5,
+    "core_vs_floor_small": 0.75,  # at SMALL_BATCH events a batch: a hybrid model's engine step
     "core_vs_naive": 10.0,
     "jetstream_vs_floor": 0.2,
     "p99_ms": 5.0,
     # array-form (and, with --ref-src, this tree's map-form) throughput against map form (the reference's)
     "encoding_vs_map": 0.95,
+    # Against a yardstick of the same run, so that a noisy machine moves both:
+    "jetstream_p99_vs_minimal_js": 2.0,  # and at most p99_ms where minimal-js's p99 is under MINIMAL_JS_FAST_MS
+    "snapshots_p99_vs_nosnap": 1.25,  # core against core-nosnap, and at most p99_ms
+    "snapshots_cpu_vs_nosnap": 1.15,
+    "snapshots_rss_over_nosnap_mib": 32.0,
+    "core_cpu_vs_minimal": 2.0,
 }
+SMALL_BATCH = 8
+MINIMAL_JS_FAST_MS = 2.5
 
 
 @dataclass
@@ -884,11 +893,12 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
             return None
         return (row.get("latency") or {}).get("p99_ms") if key == "p99_ms" else row.get(key)
 
-    def target(name: str, mode: str, key: str, threshold: float, higher: bool = True, yardstick: str = "") -> None:
+    def target(name: str, mode: str, key: str, threshold: float, higher: bool = True, yardstick: str = "",
+               sizes: tuple[int, ...] | None = None) -> None:
         """`yardstick`: a mode whose figure is shown beside (the minimal relay's
         latency: the same messages with next to no relay work)."""
         per_size: dict[str, Any] = {}
-        for size in plan.sizes:
+        for size in sizes or plan.sizes:
             if str(size) not in table.get(mode, {}):
                 continue
             value = value_of(mode, size, key)
@@ -909,7 +919,37 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
                 row["ratio_to_map"] = ratio(mode, "core-ref" if "core-ref" in table else "core", size)
             elif mode == "core" and "core-ref" in table:
                 row["ratio_to_map"] = ratio(mode, "core-ref", size)
+    def compared(name: str, mode: str, base: str, key: str, limit: float, *, over: bool = False,
+                 also: Callable[[float, float], bool] | None = None) -> None:
+        """`mode`'s figure against `base`'s, measured in the same run: their
+        ratio (`over`: their difference) at most `limit`, and `also(value,
+        base value)` where given."""
+        per_size: dict[str, Any] = {}
+        for size in plan.sizes:
+            value, base_value = value_of(mode, size, key), value_of(base, size, key)
+            if value is None or base_value is None:
+                continue
+            rel = value - base_value if over else (value / base_value if base_value else None)
+            met = rel is not None and rel <= limit and (also is None or also(value, base_value))
+            per_size[str(size)] = {"value": round(rel, 3) if rel is not None else None, "met": met,
+                                   "yardstick": {"mode": f"{mode} {value} / {base}", "value": base_value}}
+        if per_size:
+            targets[name] = {"threshold": limit, "per_size": per_size,
+                             "met": all(v["met"] for v in per_size.values())}
+
+    p99_limit = TARGETS["p99_ms"]
     target("core_vs_floor", "core", "ratio_to_floor", TARGETS["core_vs_floor"])
+    if SMALL_BATCH in plan.sizes:
+        target("core_vs_floor_small", "core", "ratio_to_floor", TARGETS["core_vs_floor_small"], sizes=(SMALL_BATCH,))
+    compared("core_cpu_vs_minimal", "core", "minimal", "cpu_s_per_m_events", TARGETS["core_cpu_vs_minimal"])
+    compared("jetstream_p99_vs_minimal_js", "jetstream", "minimal-js", "p99_ms",
+             TARGETS["jetstream_p99_vs_minimal_js"], also=lambda v, b: b >= MINIMAL_JS_FAST_MS or v <= p99_limit)
+    compared("snapshots_p99_vs_nosnap", "core", NO_SNAPSHOTS, "p99_ms", TARGETS["snapshots_p99_vs_nosnap"],
+             also=lambda v, b: v <= p99_limit)
+    compared("snapshots_cpu_vs_nosnap", "core", NO_SNAPSHOTS, "cpu_s_per_m_events",
+             TARGETS["snapshots_cpu_vs_nosnap"])
+    compared("snapshots_rss_over_nosnap_mib", "core", NO_SNAPSHOTS, "peak_rss_mb_at_latency_load",
+             TARGETS["snapshots_rss_over_nosnap_mib"], over=True)
     if "core-array" in table:
         target("core_array_vs_map", "core-array", "ratio_to_map", TARGETS["encoding_vs_map"])
     if "core-ref" in table:

@@ -66,6 +66,7 @@ def test_smoke_benchmark_yields_figures_for_every_mode_and_loses_nothing(tmp_pat
             assert cell["yardstick"]["mode"] == yardstick and cell["yardstick"]["value"] > 0
     assert set(results["summary"]["targets"]) >= {
         "core_vs_floor", "core_vs_naive", "jetstream_vs_floor", "core_p99_ms", "jetstream_p99_ms", "overload_rss_bounded",
+        "core_vs_floor_small", "core_cpu_vs_minimal", "jetstream_p99_vs_minimal_js",
     }
 
 
