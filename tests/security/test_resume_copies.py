@@ -23,7 +23,7 @@ from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.workload import HybridWorkload
 from bridge.contract import BlockStored, GroupMessage, WorkerRecord
 from bridge.contract.identity import Refusal, reply_copy
-from bridge.producer.sink.jetstream import last_point
+from bridge.producer.sink.jetstream import ResumePoint, last_point
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 from tests.security.secure_nats import Permissions, start_server
@@ -129,17 +129,22 @@ async def _own_then_copies(url: str, copies: int) -> None:
     await nc.close()
 
 
+async def _resume_point(url: str) -> tuple[ResumePoint | None, Counter[Refusal]]:
+    """Worker w's resume point as its bridge reads it, and what it passed over."""
+    nc = await nats.connect(url)
+    passed: Counter[Refusal] = Counter()
+    try:
+        return await last_point(nc.jetstream(), STREAM, "kv.w", passed), passed
+    finally:
+        await nc.close()
+
+
 @pytest.mark.parametrize("copies", [1, 100])
 async def test_the_read_steps_back_past_copies_to_the_bridges_own_last_message(
     nats_server: NatsServerProcess, copies: int,
 ) -> None:
     await _own_then_copies(nats_server.url, copies)
-    nc = await nats.connect(nats_server.url)
-    passed: Counter[Refusal] = Counter()
-    try:
-        point = await last_point(nc.jetstream(), STREAM, "kv.w", passed)
-    finally:
-        await nc.close()
+    point, passed = await _resume_point(nats_server.url)
     assert point is not None and (point.epoch, point.done_through, point.check_seq) == (1, 6, 7)
     assert passed == {Refusal.REPLY_COPY: copies}
 
@@ -152,12 +157,7 @@ async def test_more_copies_than_the_bound_leave_no_resume_point_not_a_forged_one
     as with an empty stream, and says so, never taking a copy's word."""
     monkeypatch.setattr(jetstream, "STEP_BACK_MAX", 20)
     await _own_then_copies(nats_server.url, 100)
-    nc = await nats.connect(nats_server.url)
-    passed: Counter[Refusal] = Counter()
-    try:
-        point = await last_point(nc.jetstream(), STREAM, "kv.w", passed)
-    finally:
-        await nc.close()
+    point, passed = await _resume_point(nats_server.url)
     assert point is None
     assert 20 <= passed[Refusal.REPLY_COPY] < 100
 
