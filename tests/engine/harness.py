@@ -56,6 +56,8 @@ class Engine:
                  env: dict[str, str] | None = None, llm: dict[str, Any] | None = None) -> None:
         model = MODELS[name]
         self.name = name
+        self.port = port
+        self.replay_port = replay_port
         self.model_dir = workdir / name
         self.model_dir.mkdir(parents=True, exist_ok=True)
         (self.model_dir / "config.json").write_text(json.dumps(model["config"]))
@@ -71,12 +73,19 @@ class Engine:
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.info: dict[str, Any] = {}
         self.started_s = 0.0
+        self._t0 = 0.0
 
     def start(self) -> dict[str, Any]:
+        self.launch()
+        return self.ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting: engines launched together start
+        side by side (a start is mostly one thread importing vLLM)."""
         read_fd, write_fd = os.pipe()
         env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
         env.update(self.env, KVB_DRIVER_FD=str(write_fd))
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [str(ENGINE_PY), str(DRIVER), str(self.spec_path)], stdin=subprocess.PIPE, stdout=log,
@@ -92,8 +101,12 @@ class Engine:
             self._answers.put(None)
 
         threading.Thread(target=pump, daemon=True, name=f"engine-{self.name}").start()
-        self.info = self._next(ENGINE_START_S)
-        self.started_s = time.monotonic() - t0
+
+    def ready(self) -> dict[str, Any]:
+        """The engine's first answer (its groups and blocks), waited for once."""
+        if not self.info:
+            self.info = self._next(ENGINE_START_S)
+            self.started_s = time.monotonic() - self._t0
         return self.info
 
     def _next(self, timeout: float) -> dict[str, Any]:

@@ -10,13 +10,17 @@ evicted stays resident and none it holds is missing. Every hash the engine
 announced must be one our chains computed.
 
 One engine per model, all its scenarios in it (engine start is 30-70 s on 2
-cores). Tables land in build/engine-suite/ (and on stdout with -s).
+cores, mostly one thread importing vLLM): the selected models' engines are
+launched together at the module's first test, so their starts overlap, and
+each test waits for its own. Tables land in build/engine-suite/ (and on stdout
+with -s).
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,15 +299,39 @@ def _verdict(run: Run) -> None:
     assert run.bus.stores(run.worker), "the engine announced nothing"
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_next", "granite_h"])
-async def test_the_index_agrees_with_vllm(nats_server: NatsServerProcess, tmp_path: Path, name: str) -> None:
-    settings = SETTINGS[name]
-    port, replay_port = ports()
-    engine = Engine(name, tmp_path, port, replay_port, env=settings["env"], llm=settings["llm"])
-    worker = f"engine-{name.replace('_', '-')}"
-    engines = [engine]
+@pytest.fixture(scope="module")
+def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
+    """The engines of the models this session runs, all launched at once."""
+    names = {item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
+    workdir = tmp_path_factory.mktemp("engines")
+    taken: set[int] = set()
+    launched: dict[str, Engine] = {}
     try:
-        info = await _start(engine)
+        for name in (n for n in SETTINGS if n in names):
+            port, replay_port = ports()
+            while {port, replay_port} & taken or port == replay_port:  # a port apiece
+                port, replay_port = ports()
+            taken |= {port, replay_port}
+            settings = SETTINGS[name]
+            launched[name] = Engine(name, workdir, port, replay_port, env=settings["env"], llm=settings["llm"])
+            launched[name].launch()
+        yield launched
+    finally:
+        for engine in launched.values():
+            engine.stop()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_next", "granite_h"])
+async def test_the_index_agrees_with_vllm(nats_server: NatsServerProcess, tmp_path: Path, name: str,
+                                          engines: dict[str, Engine]) -> None:
+    settings = SETTINGS[name]
+    engine = engines[name]
+    port, replay_port = engine.port, engine.replay_port
+    worker = f"engine-{name.replace('_', '-')}"
+    used = [engine]
+    try:
+        info = await anyio.to_thread.run_sync(engine.ready)
         sizes = {g["block_size"] for g in info["groups"]}
         assert sizes == {info["hash_block_size"]}, info  # one block size for every group (see chain.py)
         hasher = ChainHasher(info["hash_block_size"], algo=settings["algo"], seed=settings["seed"])
@@ -314,12 +342,12 @@ async def test_the_index_agrees_with_vllm(nats_server: NatsServerProcess, tmp_pa
             try:
                 await scenario(run)
                 if name == "llama":
-                    await restart(run, tmp_path, port, replay_port, engines)
+                    await restart(run, tmp_path, port, replay_port, used)
             finally:
                 _write(name, run.table())
             _verdict(run)
     finally:
-        for e in engines:
+        for e in used:  # now, not at the module's end: no idle engine holds memory through the others
             e.stop()
 
 

@@ -1,6 +1,6 @@
 """Cheap checks of the container image recipe. The build itself and its smoke
-test are scripts/build-image.sh, which .ci/run runs after the tests
-(docs/kubernetes.md)."""
+test are scripts/build-image.sh, which .ci/run runs beside the installs, before
+the tests (docs/kubernetes.md)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ The release in .venv (requirements/vllm.txt) runs as it is; every other one
 which `make vllm-releases` fills and which goes first on PYTHONPATH, so the
 process imports that release's vLLM over .venv's (and the same torch and
 small dependencies). All of them start at once: each is a process of its own.
+The session starts them as soon as it has collected their tests
+(tests/plugin/conftest.py), at a lower priority, so they run on the CPU the
+tests before them leave idle.
 """
 
 from __future__ import annotations
@@ -18,11 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_PIN = REPO / "requirements" / "vllm.txt"
 RELEASE_PINS = REPO / "requirements" / "vllm-releases.txt"
 RELEASES_DIR = REPO / ".venv" / "releases"
 TIMEOUT_S = 400
+ORACLE = "0.34.0"
+REFUSED = "0.26.0"
+# the priority of runs the session starts before their tests (tests/plugin/conftest.py)
+EARLY_NICE = 10
 
 
 def _pins(path: Path) -> list[str]:
@@ -52,7 +61,8 @@ def missing_releases() -> list[str]:
 class Launched:
     version: str
     out: Path
-    process: subprocess.Popen[str]
+    process: subprocess.Popen[bytes]
+    log: Path
 
 
 def _env(version: str) -> dict[str, str]:
@@ -64,23 +74,28 @@ def _env(version: str) -> dict[str, str]:
     return env
 
 
-def launch(version: str, out: Path, *args: str, module: str = "tests.plugin.scenario") -> Launched:
-    """Start `python -m <module> OUT <args>` on one release."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, str(out), *args],
-        cwd=REPO,
-        env=_env(version),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return Launched(version=version, out=out, process=process)
+def launch(version: str, out: Path, *args: str, module: str = "tests.plugin.scenario", nice: int = 0) -> Launched:
+    """Start `python -m <module> OUT <args>` on one release, its output to OUT.log
+    (a file, not a pipe: a run started long before it is collected never waits
+    on a full pipe). `nice` lowers its priority, for runs started early."""
+    log = out.with_suffix(".log")
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, str(out), *args],
+            cwd=REPO,
+            env=_env(version),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
+    return Launched(version=version, out=out, process=process, log=log)
 
 
 def collect(launched: Launched) -> dict[str, Any]:
     """Wait for one run; its JSON, or an error naming the release and its output."""
-    output, _ = launched.process.communicate(timeout=TIMEOUT_S)
+    launched.process.wait(timeout=TIMEOUT_S)
     if launched.process.returncode != 0 or not launched.out.exists():
+        output = launched.log.read_text(encoding="utf-8", errors="replace")
         raise RuntimeError(
             f"vLLM {launched.version}: exit {launched.process.returncode}\n{output[-6000:]}"
         )
@@ -88,3 +103,19 @@ def collect(launched: Launched) -> dict[str, Any]:
     if result["vllm_version"] != launched.version:
         raise RuntimeError(f"asked for vLLM {launched.version}, the process imported {result['vllm_version']}")
     return result
+
+
+def patched_versions() -> list[str]:
+    """The releases the plugin patches: .venv's and the pinned ones but the oracle and the refused."""
+    return [venv_version(), *(v for v in pinned_releases() if v not in (ORACLE, REFUSED))]
+
+
+def launch_all(tmp: Path, nice: int = 0) -> dict[str, Launched]:
+    """Every release's run, all started at once (collected on first use)."""
+    runs = {v: launch(v, tmp / f"scenario-{v}.json", "--register", nice=nice) for v in (*patched_versions(), ORACLE)}
+    runs["refused"] = launch(REFUSED, tmp / "load.json", module="tests.plugin.load", nice=nice)
+    return runs
+
+
+# The runs the session started early, with their folder.
+EARLY_RUNS = pytest.StashKey[tuple[Path, dict[str, Launched]]]()

@@ -18,7 +18,6 @@ import os
 import re
 import tomllib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,18 +25,19 @@ import pytest
 from bridge.plugin import compat
 
 from .releases import (
+    EARLY_RUNS,
+    ORACLE,
+    REFUSED,
     REPO,
     Launched,
     collect,
-    launch,
+    launch_all,
     missing_releases,
-    pinned_releases,
+    patched_versions,
     venv_version,
 )
 
-ORACLE = "0.34.0"
-REFUSED = "0.26.0"
-PATCHED = [venv_version(), *(v for v in pinned_releases() if v not in (ORACLE, REFUSED))]
+PATCHED = patched_versions()
 FORMS = ("bytes", "int")
 ATTENTION, MAMBA, WINDOW = 0, 1, 2
 # What the oracle comparison must cover, at the least.
@@ -54,22 +54,18 @@ STORED_FIELDS = REMOVED_FIELDS | {
 Result = dict[str, Any]
 
 
-def _launch_all(tmp: Path) -> dict[str, Launched]:
-    runs = {v: launch(v, tmp / f"scenario-{v}.json", "--register") for v in (*PATCHED, ORACLE)}
-    runs["refused"] = launch(REFUSED, tmp / "load.json", module="tests.plugin.load")
-    return runs
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launched]]:
-    """Every release's process, all started at once (collected on first use)."""
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launched]]:
+    """Every release's process, all started at once (collected on first use):
+    the ones the session started after collection, else started now."""
     missing = missing_releases()
     if missing:
         message = f"vLLM releases not installed: {missing}; run `make vllm-releases`"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    launched = _launch_all(tmp_path_factory.mktemp("releases"))
+    early = request.config.stash.get(EARLY_RUNS, None)
+    launched = early[1] if early is not None else launch_all(tmp_path_factory.mktemp("releases"))
     yield launched
     for run in launched.values():
         if run.process.poll() is None:
