@@ -34,21 +34,30 @@ from bridge.runtime.nats_server import find_nats_server, free_port
 CLUSTER_NAME = "kvb"
 
 
+class PortTaken(RuntimeError):
+    """A port picked free was bound by another process before the server bound it."""
+
+
 class ClusterNode:
     """One nats-server of the cluster, started from a config file written once."""
 
     def __init__(self, name: str, workdir: Path, extra_conf: str = "") -> None:
         self.name = name
-        self.port = free_port()
-        self.cluster_port = free_port()
-        self.http_port = free_port()
-        self.store_dir = workdir / f"{name}-store"
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.port = self.cluster_port = self.http_port = 0
+        self.store_dir = workdir
+        self.pick_ports(0)
         self.conf = workdir / f"{name}.conf"
         self.log = workdir / f"{name}.log"
         self.extra_conf = extra_conf
         self.proc: subprocess.Popen[bytes] | None = None
         self.frozen = False
+
+    def pick_ports(self, attempt: int) -> None:
+        """Free ports, and a store of its own for each attempt to start the cluster."""
+        self.port, self.cluster_port, self.http_port = free_port(), free_port(), free_port()
+        self.store_dir = self.workdir / f"{self.name}-store{f'-{attempt}' if attempt else ''}"
+        self.store_dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
@@ -77,8 +86,9 @@ class ClusterNode:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server {self.name} exited with {self.proc.returncode}: "
-                                   f"{self.log.read_text(errors='replace')[-2000:]}")
+                tail = self.log.read_text(errors="replace")[-2000:]
+                error = PortTaken if "address already in use" in tail else RuntimeError
+                raise error(f"nats-server {self.name} exited with {self.proc.returncode}: {tail}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
                     if conn.recv(4).startswith(b"INFO"):
@@ -129,6 +139,9 @@ class NatsCluster:
 
     def __init__(self, workdir: Path, size: int = 3, extra_conf: str = "") -> None:
         self.nodes = [ClusterNode(f"n{i + 1}", workdir, extra_conf) for i in range(size)]
+        self._write_confs()
+
+    def _write_confs(self) -> None:
         routes = [f"nats://127.0.0.1:{n.cluster_port}" for n in self.nodes]
         for node in self.nodes:
             node.write_conf(routes)
@@ -143,9 +156,22 @@ class NatsCluster:
     def others(self, *names: str) -> list[ClusterNode]:
         return [n for n in self.nodes if n.name not in names]
 
-    def start(self) -> NatsCluster:
-        for node in self.nodes:
-            node.start()
+    def start(self, attempts: int = 3) -> NatsCluster:
+        """Every server started. A port picked free can be taken by another
+        process before the server binds it (the suite starts many): then the
+        whole cluster starts again on new ports, up to `attempts` times."""
+        for attempt in range(1, attempts + 1):
+            try:
+                for node in self.nodes:
+                    node.start()
+                return self
+            except PortTaken:
+                self.stop()
+                if attempt == attempts:
+                    raise
+                for node in self.nodes:
+                    node.pick_ports(attempt)
+                self._write_confs()
         return self
 
     def stop(self) -> None:
