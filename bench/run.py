@@ -932,9 +932,9 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
             rel = value - base_value if over else (value / base_value if base_value else None)
             met = rel is not None and rel <= limit and (also is None or also(value, base_value))
             per_size[str(size)] = {"value": round(rel, 3) if rel is not None else None, "met": met,
-                                   "yardstick": {"mode": f"{mode} {value} / {base}", "value": base_value}}
+                                   "measured": value, "base_value": base_value}
         if per_size:
-            targets[name] = {"threshold": limit, "per_size": per_size,
+            targets[name] = {"threshold": limit, "per_size": per_size, "mode": mode, "against": base,
                              "met": all(v["met"] for v in per_size.values())}
 
     p99_limit = TARGETS["p99_ms"]
@@ -1016,7 +1016,9 @@ def render(summary: dict[str, Any], results: dict[str, Any], plan: Plan) -> str:
     for name, t in summary["targets"].items():
         status = "MET" if t["met"] else "NOT MET"
         detail = ", ".join(
-            f"B={k}: {v['value']}" + (f" ({v['yardstick']['mode']} {v['yardstick']['value']})" if "yardstick" in v else "")
+            f"B={k}: {v['value']}"
+            + (f" ({v['yardstick']['mode']} {v['yardstick']['value']})" if "yardstick" in v else "")
+            + (f" ({t['mode']} {v['measured']} / {t['against']} {v['base_value']})" if "base_value" in v else "")
             for k, v in t.get("per_size", {}).items())
         if not detail:
             detail = t["detail"]

@@ -58,6 +58,9 @@ def test_the_issue_29_targets_compare_against_the_same_runs_yardsticks() -> None
     assert met("snapshots_cpu_vs_nosnap") == {"8": True, "64": False}
     assert met("snapshots_rss_over_nosnap_mib") == {"8": True, "64": False}
     assert targets["snapshots_rss_over_nosnap_mib"]["per_size"]["64"]["value"] == 40
+    rss = targets["snapshots_rss_over_nosnap_mib"]
+    assert (rss["mode"], rss["against"], rss["per_size"]["64"]["measured"], rss["per_size"]["64"]["base_value"]) == \
+        ("core", "core-nosnap", 120, 80)
 
 
 def test_a_fast_minimal_relay_holds_jetstream_to_5_ms() -> None:

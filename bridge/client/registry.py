@@ -30,13 +30,12 @@ from bridge.client.consumer import ConsumerNamesInUse, OwnConsumer
 from bridge.client.identity import IdentityGuard
 from bridge.client.log import get_logger
 from bridge.contract import DEFAULT_BUCKET, DEFAULT_DEAD_AFTER, Liveness, WorkerEntry, decode_entry, liveness
+from bridge.contract.registry import KV_GONE, KV_OPERATION
 from bridge.residency.index import ResidencyIndex
 
 log = get_logger("bridge.client.registry")
 
 _RETRY_SECONDS = 2.0
-_DELETES = ("DEL", "PURGE")
-_KV_OP = "KV-Operation"
 # nats-server's own markers (max age, TTL) name their reason instead.
 _MARKER_REASON = "Nats-Marker-Reason"
 _MARKER_DELETES = ("MaxAge", "Purge", "Remove")
@@ -122,7 +121,7 @@ class RegistryFollower:
                 headers = msg.headers or {}
                 key = msg.subject[len(prefix):]
                 if self.identity.delivered(msg.subject, headers):
-                    op = headers.get(_KV_OP)
+                    op = headers.get(KV_OPERATION)
                     if op is None and headers.get(_MARKER_REASON) in _MARKER_DELETES:
                         op = "DEL"
                     self._apply(key, msg.data, op)
@@ -132,7 +131,7 @@ class RegistryFollower:
             await consumer.stop()
 
     def _apply(self, key: str, value: bytes | None, operation: str | None) -> None:
-        if operation in _DELETES:
+        if operation in KV_GONE:
             worker = self._by_key.pop(key, None)
             if worker is not None:
                 self.entries.pop(worker, None)

@@ -28,6 +28,10 @@ import msgspec
 from bridge.contract.subjects import worker_token
 
 DEFAULT_BUCKET: Final = "kv_workers"
+# The header a key-value bucket (this one, the snapshot bucket) marks a
+# deleted or purged key with, and its values that say so.
+KV_OPERATION: Final = "KV-Operation"
+KV_GONE: Final = frozenset({"DEL", "PURGE"})
 REGISTRY_VERSION: Final = 1
 DEFAULT_TENANT: Final = "default"
 DEFAULT_DEAD_AFTER: Final = 3.0

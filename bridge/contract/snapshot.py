@@ -34,7 +34,7 @@ import msgspec
 
 from bridge.contract.events import BlockHash
 from bridge.contract.identity import reply_copy
-from bridge.contract.registry import registry_key
+from bridge.contract.registry import KV_GONE, KV_OPERATION, registry_key
 from bridge.contract.subjects import worker_token
 
 SNAPSHOT_VERSION: Final = 1
@@ -238,17 +238,12 @@ class CopiedValue(SnapshotUnavailable):
     someone's read (bridge.contract.identity.reply_copy), not the bridge's write."""
 
 
-# The header a key-value bucket marks a deleted or purged key with.
-KV_OPERATION: Final = "KV-Operation"
-_GONE: Final = frozenset({"DEL", "PURGE"})
-
-
 def stored_value(key: str, headers: Mapping[str, str] | None, data: bytes | None) -> bytes | None:
     """A snapshot bucket key's value as stored (`headers`: the stored ones,
     not a direct get's): None for a deleted key; CopiedValue for a copy."""
     if reply_copy(headers):
         raise CopiedValue(f"bucket key {key[:200]} holds a copy another user's read stored there (refused)")
-    if headers and headers.get(KV_OPERATION) in _GONE:
+    if headers and headers.get(KV_OPERATION) in KV_GONE:
         return None
     return data
 

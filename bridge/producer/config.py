@@ -35,6 +35,7 @@ from bridge.runtime.access import (
 # under the chart's 512 Mi limit (tests/test_hostile.py measures it).
 DEFAULT_MAX_FRAME_BYTES: dict[str, int] = {"msgpack": 8 * 1024 * 1024, "json": 4 * 1024 * 1024}
 
+
 class PromptData(enum.Enum):
     """`--prompt-data`: what relayed stores say of the prompt (docs/security.md)."""
 
@@ -60,7 +61,7 @@ OPTIONS: tuple[Option, ...] = (
     SUBJECT_PREFIX,
     Option("--format", "choice", "msgpack", "Payload encoding.", ("msgpack", "json")),
     Option("--group-kind", "list", [], "Pin a group's kind: IDX=KIND (repeatable), e.g. 1=mamba."),
-    Option("--prompt-data", "choice", "redact",
+    Option("--prompt-data", "choice", PromptData.REDACT.value,
            "What relayed stores say of the prompt. redact: token ids become as many zeros, extra_keys (which "
            "carry cache_salt) and lookahead token ids go; relay: as vLLM sent them, for consumers that hash "
            "tokens themselves (docs/security.md).", tuple(p.value for p in PromptData)),
@@ -113,7 +114,6 @@ OPTIONS: tuple[Option, ...] = (
 
 # A model or tenant name: a Hugging Face repo id or a path is far shorter.
 MAX_NAME = 1024
-
 
 _DEFAULTS: dict[str, Any] = {opt.dest: opt.default for opt in OPTIONS}
 

@@ -264,10 +264,11 @@ class ObserveService:
     async def _serve_nats(self, nc: Any) -> None:
         async def send(req: Request, status: int, out: bytes) -> None:
             # Not on a reply subject that is no inbox (bridge.runtime.inbox_service).
-            if not to_inbox(reply_of(req)):
+            reply = reply_of(req)
+            if not to_inbox(reply):
                 self.state.requests_refused += 1
                 if self.state.requests_refused == 1:
-                    log.warning("request_refused", subject=req.subject[:300], reply=reply_of(req)[:300],
+                    log.warning("request_refused", subject=req.subject[:300], reply=reply[:300],
                                 note="answers go to inbox reply subjects only; logged once")
                 return
             # An answer over the server's max_payload would make the server
