@@ -57,13 +57,22 @@ def consumer_name(user: str, n: int) -> str:
     return f"{CONSUMER_PREFIX}-{user}-{n}"
 
 
+def _inbox_parts(nc: NatsClient) -> tuple[str, str]:
+    """The client's inbox prefix and a token unique to this call, both read
+    from a new inbox (`<prefix>.<nuid>`): nats-py's public API has no other
+    way to either."""
+    prefix, _, token = nc.new_inbox().rpartition(".")
+    return prefix, token
+
+
 def consumer_names(nc: NatsClient) -> list[str]:
     """The names a client may create consumers under: its user's pool when
     its inbox prefix names the user, else one of its own (a client without
     permissions)."""
-    user = consumer_user(bytes(nc._inbox_prefix).decode())
+    prefix, token = _inbox_parts(nc)
+    user = consumer_user(prefix)
     if user is None:
-        return [f"{CONSUMER_PREFIX}-{nc._nuid.next().decode()}"]
+        return [f"{CONSUMER_PREFIX}-{token}"]
     return [consumer_name(user, n) for n in range(CONSUMERS_PER_USER)]
 
 
@@ -81,7 +90,7 @@ class OwnConsumer:
         self._last_stream: int | None = None
         self._last_delivered = 0
         self.recreated = 0
-        self._id = f"kv-bridge reader {nc._nuid.next().decode()}"
+        self._id = f"kv-bridge reader {_inbox_parts(nc)[1]}"
 
     async def start(self) -> None:
         """Raises ConsumerNamesInUse, or nats' errors when JetStream refuses."""

@@ -11,7 +11,7 @@ import nats
 import pytest
 from nats.js import api
 
-from bridge.client.consumer import CONSUMERS_PER_USER, ConsumerNamesInUse, OwnConsumer, consumer_user
+from bridge.client.consumer import CONSUMERS_PER_USER, ConsumerNamesInUse, OwnConsumer, consumer_names, consumer_user
 from bridge.client.registry import RegistryFollower
 from bridge.contract import GroupInfo, RankInfo, WorkerEntry, encode_entry
 from bridge.contract.identity import STORED_HEADERS, Refusal, reply_copy
@@ -45,6 +45,19 @@ def test_the_user_comes_from_the_inbox_prefix() -> None:
     assert consumer_user("_INBOX.reader") == "reader"
     assert consumer_user("_INBOX.bridge-a.x") == "bridge-a"
     assert consumer_user("_INBOX") is None
+
+
+async def test_a_client_of_no_user_gets_a_consumer_name_of_its_own(nats_server: NatsServerProcess) -> None:
+    named = await nats.connect(nats_server.url, inbox_prefix="_INBOX.reader")
+    shared = await nats.connect(nats_server.url)
+    try:
+        assert consumer_names(named) == [f"kvr-reader-{n}" for n in range(CONSUMERS_PER_USER)]
+        first, second = consumer_names(shared), consumer_names(shared)
+        assert len(first) == 1 and first[0].startswith("kvr-") and "." not in first[0]
+        assert first != second, "each call names a consumer no other client has"
+    finally:
+        await named.close()
+        await shared.close()
 
 
 async def test_every_message_once_in_order_across_a_lost_consumer(nats_server: NatsServerProcess) -> None:

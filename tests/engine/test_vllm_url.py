@@ -21,9 +21,14 @@ from tests.busutil import BusCollector
 from tests.engine.harness import ENGINE_PY, ENGINE_START_S, KV_BRIDGE, requires_engine
 from tests.engine.models import MODELS
 
-pytestmark = [pytest.mark.anyio, requires_engine]
-
 BLOCK = MODELS["llama"]["llm"]["block_size"]
+# How long the test waits for stores once vLLM is up, and for each process to stop.
+STORES_S = 120.0
+STOP_S = 30.0
+# The test's own waits fail it with their reason first; the session's timeout
+# (pyproject.toml) is shorter than the engine's start alone.
+pytestmark = [pytest.mark.anyio, requires_engine,
+              pytest.mark.timeout(ENGINE_START_S + STORES_S + 4 * STOP_S + 60)]
 
 
 def _server(workdir: Path, port: int) -> subprocess.Popen[bytes]:
@@ -48,14 +53,33 @@ def _server(workdir: Path, port: int) -> subprocess.Popen[bytes]:
          "--max-model-len", str(llm["max_model_len"]), "--max-num-seqs", str(llm["max_num_seqs"]),
          "--kv-events-config", json.dumps(events)],
         stdout=(workdir / "server.log").open("wb"), stderr=subprocess.STDOUT, env=env, cwd=workdir,
+        # its own process group: the engine core it forks goes with it
+        start_new_session=True,
     )
 
 
-def _complete(port: int, model: str, tokens: list[int]) -> dict[str, object]:
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group, SIGKILL to what is left of it."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(STOP_S)
+
+
+def _complete(port: int, model: str, tokens: list[int], timeout: float) -> dict[str, object]:
     body = json.dumps({"model": model, "prompt": tokens, "max_tokens": 1}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         answer: dict[str, object] = json.loads(resp.read())
     return answer
 
@@ -93,25 +117,29 @@ async def test_a_sidecar_with_only_the_vllm_url_relays_the_engines_stores(
         # the bridge subscribes within a poll or two; a request before that is
         # lost to ZMQ's slow joiner, so ask until its stores arrive
         tokens = list(range(3, 3 + 2 * BLOCK + 5))
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + STORES_S
         while not [e for g in bus.groups() for e in g.events if isinstance(e, BlockStored)]:
             assert time.monotonic() < deadline, (tmp_path / "bridge.log").read_text()[-3000:]
-            await anyio.to_thread.run_sync(_complete, port, str(tmp_path / "llama"), tokens)
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                await anyio.to_thread.run_sync(_complete, port, str(tmp_path / "llama"), tokens, left)
+            except OSError:
+                pass  # a request that timed out: the deadline above says what is missing
             await anyio.sleep(1)
             tokens = [t + 1 for t in tokens]  # a new prompt each time, so vLLM stores again
         stored = [e for g in bus.groups() for e in g.events if isinstance(e, BlockStored)]
         assert sum(len(e.block_hashes) for e in stored) >= 2, "two full blocks of the prompt"
         assert {g.worker for g in bus.groups()} == {"engine"}
         bridge.send_signal(signal.SIGTERM)
-        assert await anyio.to_thread.run_sync(lambda: bridge.wait(timeout=30)) == 0
+        assert await anyio.to_thread.run_sync(lambda: bridge.wait(timeout=STOP_S)) == 0
     finally:
-        for proc in (bridge, server):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        if bridge.poll() is None:
+            bridge.send_signal(signal.SIGTERM)
+            try:
+                bridge.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                bridge.kill()
+        _stop_group(server)
         bridge_log.close()
         await bus.close()
     logs = [json.loads(line) for line in (tmp_path / "bridge.log").read_text().splitlines() if line.startswith("{")]
