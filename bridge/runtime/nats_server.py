@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -44,13 +45,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _client_port(ports_file: Path) -> int | None:
+    """The client port a nats-server wrote to its ports file, None until it has."""
+    try:
+        urls = json.loads(ports_file.read_text())["nats"]
+        return int(str(urls[0]).rsplit(":", 1)[1])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 class NatsServerProcess:
-    """Starts on a free loopback port with JetStream in a private directory.
-    Also the tests' nats-server, so the tests meet the same server users do."""
+    """Starts on a loopback port with JetStream in a private directory: the
+    port given, else one the server picks itself, so no other process can
+    take it between a choice and the bind. `port` and `url` are known once
+    `start` returns; a restart keeps the port. Also the tests' nats-server,
+    so the tests meet the same server users do."""
 
     def __init__(self, port: int | None = None, jetstream: bool = True, extra_args: list[str] | None = None,
                  store_dir: str | None = None) -> None:
-        self.port = port or free_port()
+        self.port = port or 0
         self._jetstream = jetstream
         self._extra = extra_args or []
         self._own_store = store_dir is None
@@ -62,29 +75,37 @@ class NatsServerProcess:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServerProcess:
-        args = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port)]
+        """Returns once this server (not another on the same port) answers."""
+        binary = find_nats_server()
+        # The server writes the port it bound to a file named by its pid once
+        # it listens: proof that the port is its own, and the port it picked.
+        ports_dir = Path(tempfile.mkdtemp(prefix="kvb-nats-ports-"))
+        args = [binary, "-a", "127.0.0.1", "-p", str(self.port or -1), "--ports_file_dir", str(ports_dir)]
         if self._jetstream:
             args += ["-js", "-sd", self.store_dir]
         args += self._extra
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            # Out of the terminal's process group: Ctrl-C reaches the bridge, which
-            # drains into this server before stopping it.
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {' '.join(args)}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    if conn.recv(4).startswith(b"INFO"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
+        try:
+            self.proc = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                # Out of the terminal's process group: Ctrl-C reaches the bridge, which
+                # drains into this server before stopping it.
+                start_new_session=True,
+            )
+            ports_file = ports_dir / f"{Path(binary).name}_{self.proc.pid}.ports"
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {' '.join(args)}")
+                port = _client_port(ports_file)
+                if port is not None and _answers(port):
+                    self.port = port
+                    return self
+                time.sleep(0.02)
+        finally:
+            shutil.rmtree(ports_dir, ignore_errors=True)
         self.stop()
-        raise TimeoutError(f"nats-server did not listen on {self.port} within {timeout}s")
+        raise TimeoutError(f"nats-server did not listen on {self.port or 'a port'} within {timeout}s")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -108,6 +129,14 @@ class NatsServerProcess:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
+            return conn.recv(4).startswith(b"INFO")
+    except OSError:
+        return False
 
 
 def nats_server_available() -> bool:
