@@ -88,6 +88,7 @@ async def run_fault(cluster: NatsCluster, tmp_path: Path, fault: Fault, *, total
                 [n for n in cluster.nodes if n is not roles.target]
         roles.spare = spare[0]
         bus = await LiveBus().start(roles.spare.url)
+        await bus.wait_interest(connected.url)
         for k in range(total):
             if k == fault_at:
                 await fault.inject(roles)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -86,6 +87,32 @@ class LiveBus:
 
     async def _on_msg(self, msg: Any) -> None:
         self.items.append((msg.subject, decode_body(msg.subject, msg.data)))
+
+    async def wait_interest(self, url: str, timeout: float = 30.0) -> None:
+        """Until the server at `url` (another node of the cluster, the
+        publisher's) knows of this subscription: a subscription reaches the
+        other nodes over their routes some time after its own server took it,
+        and what they are sent meanwhile never comes here. A probe subscribed
+        after it, over the same routes, arrives once both are known there."""
+        probe = f"_kvb_probe.{secrets.token_hex(4)}"
+        heard = anyio.Event()
+
+        async def on_probe(_msg: Any) -> None:
+            heard.set()
+
+        sub = await self.nc.subscribe(probe, cb=on_probe)
+        await self.nc.flush()
+        pub = await nats.connect(url)
+        try:
+            with anyio.fail_after(timeout):
+                while not heard.is_set():
+                    await pub.publish(probe, b"")
+                    await pub.flush()
+                    with anyio.move_on_after(0.1):
+                        await heard.wait()
+        finally:
+            await pub.close()
+            await sub.unsubscribe()
 
     def records(self, type_: str) -> list[WorkerRecord]:
         return [b for _, b in self.items if isinstance(b, WorkerRecord) and b.type == type_]
