@@ -25,7 +25,11 @@ Measured, medians of `--runs` runs:
   process: the keeper applying its log (`catch_up`: decode and apply every
   message of the history, the worst case: a bridge that was never idle),
   `index.snapshot`, `encode_snapshot`, `split`; and the same with nothing
-  left to apply (a bridge that kept up while idle, the usual case).
+  left to apply (a bridge that kept up while idle, the usual case). Also
+  the longest single piece, in thread CPU time, of the read and of the
+  encoding as the bridge takes them on its event loop
+  (`ResidencyIndex.snapshot_steps`, `encode_snapshot_steps`): what a batch
+  arriving meanwhile can wait at most.
 - decode and apply: `decode_snapshot` of the bytes, `ResidencyIndex.restore`
   into an empty index (what a late consumer does with it).
 - fetch: a real nats-server and a real bridge (`python -m bridge run`, core
@@ -57,6 +61,7 @@ import tempfile
 import time
 import tracemalloc
 import urllib.request
+from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +76,7 @@ from bridge.contract.snapshot import (
     PART_OVERHEAD,
     decode_snapshot,
     encode_snapshot,
+    encode_snapshot_steps,
     fetch_parts,
     join,
     snapshot_subject,
@@ -147,13 +153,27 @@ def _ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1e3, 3)
 
 
+def _longest_piece(steps: Generator[None, None, Any]) -> tuple[float, Any]:
+    """The longest step of `steps` in thread CPU time (seconds), and what it returns."""
+    clock = time.thread_time
+    longest = 0.0
+    while True:
+        t0 = clock()
+        try:
+            next(steps)
+        except StopIteration as done:
+            return max(longest, clock() - t0), done.value
+        longest = max(longest, clock() - t0)
+
+
 def measure_take(form: str, blocks: int, seed: int, runs: int) -> dict[str, Any]:
     from bridge.producer.snapshot.keeper import ResidencyKeeper
 
     outs = encoded(history(form, blocks, seed))
     max_part = DEFAULT_MAX_PAYLOAD - PART_OVERHEAD
     phases: dict[str, list[float]] = {k: [] for k in (
-        "apply_log", "snapshot", "encode", "split", "take_cold", "take_warm", "decode", "join", "restore")}
+        "apply_log", "snapshot", "encode", "split", "take_cold", "take_warm", "decode", "join", "restore",
+        "read_piece_max", "encode_piece_max")}
     size = parts = hashes = 0
     snap_entries = 0
     for run in range(runs):
@@ -181,6 +201,12 @@ def measure_take(form: str, blocks: int, seed: int, runs: int) -> dict[str, Any]
         assert warm is not None
         split(warm, encode_snapshot(warm), f"warm-{run}", max_part)
         phases["take_warm"].append(time.perf_counter() - w0)
+        pieces, stepped = _longest_piece(keeper.index.snapshot_steps(WORKER, 0, now=warm.taken_at))
+        assert stepped is not None and stepped.groups == warm.groups
+        phases["read_piece_max"].append(pieces)
+        pieces, stepped = _longest_piece(encode_snapshot_steps(warm))
+        assert stepped == encode_snapshot(warm)
+        phases["encode_piece_max"].append(pieces)
         d0 = time.perf_counter()
         decode_snapshot(data)
         d1 = time.perf_counter()
@@ -389,6 +415,8 @@ def table(result: dict[str, Any]) -> str:
             f"  take, cold     {ms['take_cold']:>10} ms  (apply log {ms['apply_log']} + snapshot {ms['snapshot']} + "
             f"encode {ms['encode']} + split {ms['split']})",
             f"  take, warm     {ms['take_warm']:>10} ms  (nothing left to apply)",
+            f"  longest piece  {ms['read_piece_max']:>10} ms  reading, {ms['encode_piece_max']} ms encoding "
+            f"(on the event loop, thread CPU time)",
             f"  decode         {ms['decode']:>10} ms  (join {ms['join']})",
             f"  restore        {ms['restore']:>10} ms  (ResidencyIndex.restore into an empty index)",
             f"  fetch          {fetch['fetch_ms']:>10} ms  (real bridge and nats-server, {fetch['parts']} part(s), "

@@ -27,7 +27,7 @@ Snapshots are always msgpack: hashes may be bytes.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -167,6 +167,52 @@ def part_key(head_key: str, slot: str, n: int) -> str:
 
 def encode_snapshot(snap: RankSnapshot) -> bytes:
     return _encode(snap)
+
+
+# The list fields of a tier: the ones that grow with what a rank holds.
+_TIER_LISTS: Final = ("trusted", "trusted_copies", "suspect", "suspect_copies", "placeholders", "placeholder_copies")
+
+
+def encode_snapshot_steps(snap: RankSnapshot, step: int = 4096) -> Generator[None, None, bytes]:
+    """`encode_snapshot`'s bytes, exactly, a piece at a time: yields after
+    every `step` items of a long list and after each tier, and
+    returns the encoding, so that a caller on an event loop can encode a
+    large snapshot between its other work (in one call, a few MB of hashes
+    hold it for milliseconds). The pieces are encoded alone and joined as
+    `msgspec.Raw`, which msgspec writes as they are."""
+    groups: list[Any] = []
+    for g in snap.groups:
+        tiers: list[Any] = []
+        for t in g.tiers:
+            long: dict[str, Any] = {}
+            for name in _TIER_LISTS:
+                items = getattr(t, name)
+                if len(items) > step:
+                    long[name] = yield from _array_steps(items, step)
+            tiers.append(_encode(msgspec.structs.replace(t, **long) if long else t))
+            yield
+        groups.append(msgspec.structs.replace(g, tiers=[msgspec.Raw(b) for b in tiers]))
+    return _encode(msgspec.structs.replace(snap, groups=groups))
+
+
+def _array_head(n: int) -> bytes:
+    """msgpack's header of an array of `n` items."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _array_steps(items: Sequence[Any], step: int) -> Generator[None, None, msgspec.Raw]:
+    """A list's msgpack encoding, `step` items at a time: its header, then
+    each slice's encoding without the slice's own header."""
+    parts = [_array_head(len(items))]
+    for k in range(0, len(items), step):
+        piece = items[k : k + step]
+        parts.append(_encode(piece)[len(_array_head(len(piece))):])
+        yield
+    return msgspec.Raw(b"".join(parts))
 
 
 def decode_snapshot(data: bytes) -> RankSnapshot:

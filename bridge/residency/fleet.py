@@ -495,6 +495,26 @@ class FleetResidency:
             if c:
                 yield self._ids.hash_at(i), c  # type: ignore[misc]
 
+    def held_copies(self, slot: int, group: int, medium: str,
+                    pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]:
+        """(hash, trusted copies, suspect copies) of every entry the slot holds
+        in a tier, both layers in one pass; with `pause`, also None after
+        every `pause` entries of the slot's log read (SlotLog.iter_live), so
+        that a reader (a snapshot on the event loop) can pause at even
+        intervals however few of them it keeps. The index must not change
+        until the iterator is done."""
+        tier = self._columns.tiers.get((group, medium))
+        cell = None if tier is None else tier.cells.get(slot)
+        if cell is None or tier is None:
+            return
+        state, hash_at = self._state, self._ids.hash_at
+        for i in cell.iter_live(tier.held, slot, self._sets.S, pause):
+            if i < 0:
+                yield None
+                continue
+            t, u = state(tier, i, slot)
+            yield hash_at(i), t, u  # type: ignore[misc]
+
     def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]:
         """Up to `n` hashes one worker rank holds trusted in a tier, in the
         order its log took them: a sample that costs about `n` steps, where

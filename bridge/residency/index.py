@@ -461,20 +461,41 @@ class ResidencyIndex:
         for number, g in sorted(view.groups.items()):
             tiers = []
             for medium in g.trusted:  # every medium the group has a cell in
-                layers: list[tuple[list[BlockHash], list[int]]] = []
-                for table in (g.trusted[medium], g.suspect[medium], g.placeholders[medium]):
-                    hashes: list[BlockHash] = []
-                    copies: list[int] = []
-                    for h, n in table.pairs():
-                        hashes.append(h)
-                        copies.append(n)
-                        if not len(hashes) % _SNAPSHOT_STEP:
-                            yield
-                    # Copies left out when every count is one.
-                    layers.append((hashes, [] if all(n == 1 for n in copies) else copies))
-                    yield
-                (trusted, trusted_n), (suspect, suspect_n), (held, held_n) = layers
-                tiers.append(TierState(medium, trusted, trusted_n, suspect, suspect_n, held, held_n))
+                # Trusted and suspect copies in one pass over the tier, a
+                # pause every _SNAPSHOT_STEP entries of its log read, whatever
+                # they hold.
+                trusted: list[BlockHash] = []
+                trusted_n: list[int] = []
+                suspect: list[BlockHash] = []
+                suspect_n: list[int] = []
+                multi_t = multi_s = False
+                for item in g.held_copies(medium, _SNAPSHOT_STEP):
+                    if item is None:
+                        yield
+                        continue
+                    h, t, u = item
+                    if t:
+                        trusted.append(h)
+                        trusted_n.append(t)
+                        multi_t = multi_t or t != 1
+                    if u:
+                        suspect.append(h)
+                        suspect_n.append(u)
+                        multi_s = multi_s or u != 1
+                yield
+                held: list[BlockHash] = []
+                held_n: list[int] = []
+                multi_p = False
+                for h, n in g.placeholders[medium].pairs():
+                    held.append(h)
+                    held_n.append(n)
+                    multi_p = multi_p or n != 1
+                    if not len(held) % _SNAPSHOT_STEP:
+                        yield
+                yield
+                # Copies left out when every count is one.
+                tiers.append(TierState(medium, trusted, trusted_n if multi_t else [], suspect,
+                                       suspect_n if multi_s else [], held, held_n if multi_p else []))
             groups.append(GroupState(number, g.kind, g.family, g.block_size, g.window, g.last_position, g.stored,
                                      g.removed, g.unknown_removals, tiers))
         return RankSnapshot(

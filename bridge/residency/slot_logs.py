@@ -9,6 +9,7 @@ has grown to twice what the slot holds.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 from bridge.residency.slots import BITS
 
@@ -32,12 +33,29 @@ class SlotLog:
         log.extend(ids)
         return len(log) > 2 * self.held + 64
 
-    def live(self, held: array[int], slot: int, sets: list[int]) -> list[int]:
+    def iter_live(self, held: array[int], slot: int, sets: list[int], pause: int = 0) -> Iterator[int]:
         """The ids the slot holds in the tier whose held column is `held` (sid
-        → bitset in `sets`): its log, checked and compacted."""
+        → bitset in `sets`), one at a time in the order the log took them.
+        With `pause`, also -1 after every `pause` entries of the log read,
+        held or not, so that a reader can pause at even intervals (nothing
+        may change the tier until it is done)."""
         ss = 2 * slot + 1
         b = BITS[slot]
-        ids = [i for i in set(self.log) if held[i] == ss or (held[i] and not held[i] & 1 and sets[held[i]] & b)]
+        seen: set[int] = set()
+        add = seen.add
+        for k, i in enumerate(self.log, 1):
+            if pause and not k % pause:
+                yield -1
+            if i in seen:
+                continue
+            add(i)
+            h = held[i]
+            if h == ss or (h and not h & 1 and sets[h] & b):
+                yield i
+
+    def live(self, held: array[int], slot: int, sets: list[int]) -> list[int]:
+        """`iter_live`'s ids at once, the log compacted to them."""
+        ids = list(self.iter_live(held, slot, sets))
         if len(self.log) > len(ids) + 16:
             self.log = array("I", ids)
         return ids

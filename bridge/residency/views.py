@@ -223,6 +223,13 @@ class GroupResidency:
         f = self._fleet
         return 0 if f is None else f.copies(self._slot, self.group, medium, h, "suspect" if suspect else "trusted")
 
+    def held_copies(self, medium: str, pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]:
+        """(hash, trusted copies, suspect copies) of every hash held in
+        `medium`, in the order the group took them; with `pause`, None
+        between them at even intervals (FleetResidency.held_copies)."""
+        f = self._fleet
+        return iter(()) if f is None else f.held_copies(self._slot, self.group, medium, pause)
+
     def sample(self, medium: str, n: int) -> list[BlockHash]:
         """Up to `n` trusted hashes of `medium`, the first the group took
         (costs about `n` steps, not the tier's size)."""

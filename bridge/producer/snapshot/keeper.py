@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import anyio
@@ -29,7 +29,7 @@ import structlog
 from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR_RECORD, GroupMessage, WorkerRecord
 from bridge.contract import decoder_for as _decoder_for
 from bridge.contract.identity import Origin, Refusal, check
-from bridge.contract.snapshot import RankSnapshot, encode_snapshot
+from bridge.contract.snapshot import RankSnapshot, encode_snapshot_steps
 from bridge.producer.sink.acks import ack_seq
 from bridge.producer.sink.encode import Outgoing
 from bridge.residency import ResidencyIndex
@@ -240,7 +240,7 @@ class ResidencyKeeper:
         )
 
     async def export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
-        """The rank's snapshot and its encoding, taken on the loop in slices
+        """The rank's snapshot and its encoding, both made on the loop in slices
         of about `IDLE_SLICE_S` (a million blocks take a second or more), so
         that the loop reads ZMQ and publishes between them. Not in a worker
         thread: that one holds the GIL but for the loop's turns, each of
@@ -257,17 +257,11 @@ class ResidencyKeeper:
                 self.worker, dp_rank, through=through.msg_id if through else "",
                 stream_seq=through.seq if through else 0, now=time.time(),
             )
-            clock = time.perf_counter
-            while True:
-                end = clock() + IDLE_SLICE_S
-                try:
-                    while clock() < end:
-                        next(steps)
-                except StopIteration as done:
-                    snap: RankSnapshot | None = done.value
-                    break
-                await anyio.sleep(0)
-            return None if snap is None else (snap, encode_snapshot(snap))
+            snap: RankSnapshot | None = await _in_slices(steps)
+            if snap is None:
+                return None
+            data: bytes = await _in_slices(encode_snapshot_steps(snap))
+            return snap, data
         finally:
             self._exporting -= 1
 
@@ -281,6 +275,20 @@ class ResidencyKeeper:
     def mark_applied(self, dp_rank: int, msg_id: str, stream_seq: int) -> None:
         """A rebuild read the rank's history through this stream message."""
         self._through[dp_rank] = _Through(msg_id, seq=stream_seq)
+
+
+async def _in_slices(steps: Generator[None, None, Any]) -> Any:
+    """Runs `steps` to its end in slices of about `IDLE_SLICE_S`, letting the
+    loop run between them; returns what it returns."""
+    clock = time.perf_counter
+    while True:
+        end = clock() + IDLE_SLICE_S
+        try:
+            while clock() < end:
+                next(steps)
+        except StopIteration as done:
+            return done.value
+        await anyio.sleep(0)
 
 
 async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool]) -> None:
