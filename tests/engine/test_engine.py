@@ -327,11 +327,11 @@ async def test_the_index_agrees_with_vllm(nats_server: NatsServerProcess, tmp_pa
                                           engines: dict[str, Engine]) -> None:
     settings = SETTINGS[name]
     engine = engines[name]
-    port, replay_port = engine.port, engine.replay_port
     worker = f"engine-{name.replace('_', '-')}"
     used = [engine]
     try:
         info = await anyio.to_thread.run_sync(engine.ready)
+        port, replay_port = engine.port, engine.replay_port  # another pair if one was taken
         sizes = {g["block_size"] for g in info["groups"]}
         assert sizes == {info["hash_block_size"]}, info  # one block size for every group (see chain.py)
         hasher = ChainHasher(info["hash_block_size"], algo=settings["algo"], seed=settings["seed"])
@@ -378,7 +378,7 @@ async def restart(run: Run, tmp_path: Path, port: int, replay_port: int, engines
     old_epoch = view.epoch
     run.engine.kill()
     fresh = Engine(run.name, tmp_path, port, replay_port, env=SETTINGS[run.name]["env"],
-                   llm=SETTINGS[run.name]["llm"])
+                   llm=SETTINGS[run.name]["llm"], fixed_ports=True)
     run.engine = fresh
     engines.append(fresh)
     await _start(fresh)

@@ -91,6 +91,7 @@ async def test_the_largest_engine_batch_fits_the_default_frame_limit(nats_server
                                "full_requests": FULL_REQUESTS}
     try:
         await anyio.to_thread.run_sync(engine.start)
+        port, replay_port = engine.port, engine.replay_port  # another pair if one was taken
         sizes = FrameSizes(port)
         try:
             async with bus_index(nats_server.url) as bus, kv_bridge_process(tmp_path, nats_server.url, worker, port,
