@@ -106,8 +106,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--snapshot-events", "int", 100000,
            "JetStream mode: a rank's bucket snapshot is written sooner, once this many events came since the last."),
     Option("--snapshot-log-bytes", "int", 32 * 1024 * 1024,
-           "Published bytes held for the bridge's residency, applied when idle or for a snapshot; past this "
-           "the bridge is too busy to apply them and lets them go, its snapshots then stale and partial."),
+           "Memory held by published messages not yet applied to the bridge's residency (payloads and their "
+           "entries), applied when idle or for a snapshot; past this the bridge is too busy to apply them and lets "
+           "them go, its snapshots then stale and partial."),
     *NATS_AUTH_OPTIONS,
 )
 
