@@ -33,12 +33,23 @@ class SlotLog:
         log.extend(ids)
         return len(log) > 2 * self.held + 64
 
-    def iter_live(self, held: array[int], slot: int, sets: list[int], pause: int = 0) -> Iterator[int]:
+    def live(self, held: array[int], slot: int, sets: list[int]) -> list[int]:
         """The ids the slot holds in the tier whose held column is `held` (sid
-        → bitset in `sets`), one at a time in the order the log took them.
-        With `pause`, also -1 after every `pause` entries of the log read,
-        held or not, so that a reader can pause at even intervals (nothing
-        may change the tier until it is done)."""
+        → bitset in `sets`): its log, checked and compacted."""
+        ss = 2 * slot + 1
+        b = BITS[slot]
+        # The test of `iter_live`, spelled out here: a call per id would cost
+        # a compaction of a long log (inside a store) a third more.
+        ids = [i for i in set(self.log) if held[i] == ss or (held[i] and not held[i] & 1 and sets[held[i]] & b)]
+        if len(self.log) > len(ids) + 16:
+            self.log = array("I", ids)
+        return ids
+
+    def iter_live(self, held: array[int], slot: int, sets: list[int], pause: int = 0) -> Iterator[int]:
+        """`live`'s ids, one at a time in the order the log took them, without
+        compacting. With `pause`, also -1 after every `pause` entries of the
+        log read, held or not, so that a reader can pause at even intervals
+        (nothing may change the tier until it is done)."""
         ss = 2 * slot + 1
         b = BITS[slot]
         seen: set[int] = set()
@@ -52,10 +63,3 @@ class SlotLog:
             h = held[i]
             if h == ss or (h and not h & 1 and sets[h] & b):
                 yield i
-
-    def live(self, held: array[int], slot: int, sets: list[int]) -> list[int]:
-        """`iter_live`'s ids at once, the log compacted to them."""
-        ids = list(self.iter_live(held, slot, sets))
-        if len(self.log) > len(ids) + 16:
-            self.log = array("I", ids)
-        return ids
