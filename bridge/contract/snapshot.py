@@ -189,9 +189,9 @@ def encode_snapshot_steps(snap: RankSnapshot, step: int = 4096) -> Generator[Non
                 items = getattr(t, name)
                 if len(items) > step:
                     long[name] = yield from _array_steps(items, step)
-            tiers.append(_encode(msgspec.structs.replace(t, **long) if long else t))
+            tiers.append(msgspec.Raw(_encode(msgspec.structs.replace(t, **long) if long else t)))
             yield
-        groups.append(msgspec.structs.replace(g, tiers=[msgspec.Raw(b) for b in tiers]))
+        groups.append(msgspec.structs.replace(g, tiers=tiers))
     return _encode(msgspec.structs.replace(snap, groups=groups))
 
 

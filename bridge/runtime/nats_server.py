@@ -98,7 +98,7 @@ class NatsServerProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {' '.join(args)}")
                 port = _client_port(ports_file)
-                if port is not None and _answers(port):
+                if port is not None and answers(port):
                     self.port = port
                     return self
                 time.sleep(0.02)
@@ -131,7 +131,8 @@ class NatsServerProcess:
         self.stop()
 
 
-def _answers(port: int) -> bool:
+def answers(port: int) -> bool:
+    """Whether a NATS server answers on this loopback port (its INFO line)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
             return conn.recv(4).startswith(b"INFO")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -29,7 +28,7 @@ import nats.js.api
 import nats.js.errors
 
 from bridge.contract import HDR_MSG_ID, GroupMessage, WorkerRecord
-from bridge.runtime.nats_server import find_nats_server, free_port
+from bridge.runtime.nats_server import answers, find_nats_server, free_port
 
 CLUSTER_NAME = "kvb"
 
@@ -89,12 +88,9 @@ class ClusterNode:
                 tail = self.log.read_text(errors="replace")[-2000:]
                 error = PortTaken if "address already in use" in tail else RuntimeError
                 raise error(f"nats-server {self.name} exited with {self.proc.returncode}: {tail}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    if conn.recv(4).startswith(b"INFO"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
+            if answers(self.port):
+                return self
+            time.sleep(0.05)
         raise TimeoutError(f"nats-server {self.name} did not listen on {self.port}")
 
     def alive(self) -> bool:

@@ -127,9 +127,12 @@ class ResidencyKeeper:
 
     def _entry(self, msg: Outgoing, ack: bytes | None) -> _Entry:
         headers = msg.headers
-        decoder = self._decoders.get((headers.get(HDR_FORMAT, DEFAULT_FORMAT), HDR_RECORD in headers))
         payload = msg.payload
-        return payload, headers.get(HDR_MSG_ID, ""), decoder, ack, len(payload) + ENTRY_BYTES
+        return payload, headers.get(HDR_MSG_ID, ""), self._decoder_of(headers), ack, len(payload) + ENTRY_BYTES
+
+    def _decoder_of(self, headers: dict[str, str]) -> Any:
+        """The decoder a message's headers call for; None for a format the keeper does not read."""
+        return self._decoders.get((headers.get(HDR_FORMAT, DEFAULT_FORMAT), HDR_RECORD in headers))
 
     def _logged(self, n: int) -> None:
         """After `n` messages joined the log: bound it, and free some of a let-go one."""
@@ -220,8 +223,7 @@ class ResidencyKeeper:
         payload names another worker, rank or group is refused and counted,
         never applied. The bridge's own messages, handed over by its sink,
         need no such check."""
-        decoder = self._decoders.get((headers.get(HDR_FORMAT, DEFAULT_FORMAT), HDR_RECORD in headers))
-        return self._apply(decoder, payload, headers.get(HDR_MSG_ID, ""), ack, origin)
+        return self._apply(self._decoder_of(headers), payload, headers.get(HDR_MSG_ID, ""), ack, origin)
 
     def _apply(self, decoder: Any, payload: bytes, msg_id: str, ack: bytes | None,
                origin: Origin | None) -> Refusal | None:
