@@ -479,6 +479,17 @@ class FleetResidency:
         t, u = self._state(tier, i, slot)
         return t if layer == TRUSTED else u
 
+    def held(self, slot: int, group: int, medium: str, h: BlockHash) -> int:
+        """Trusted and suspect copies of `h` together."""
+        tier = self._columns.tiers.get((group, medium))
+        if tier is None:
+            return 0
+        i = self._ids.by_hash.get(h)
+        if i is None or not self._sets.has(tier.held[i], slot):
+            return 0
+        st = tier.extra.get((i, slot))
+        return 1 if st is None else st[0] + st[1]  # no count kept: one copy, trusted or suspect (`_state`)
+
     def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]:
         tier = self._columns.tiers.get((group, medium))
         cell = None if tier is None else tier.cells.get(slot)

@@ -42,14 +42,17 @@ Semantics (docs/consumers.md has the long form):
 Storage and queries are the fleet structure's (`bridge.residency.fleet`: hash →
 holders per group and medium), so a query costs the chain's length whatever
 the number of workers; `fleet` is there for services that ask for many
-workers at once (`prefix_hits`) or for aggregate counts.
+workers at once (`prefix_hits`) or for aggregate counts. A reader that keeps
+a few ranks and asks no fleet questions (the bridge's snapshot keeper) gives
+the index per-rank tables instead (`ResidencyIndex(store=RankTables())`,
+`bridge.residency.rank_tables`): the same rules, plain dicts underneath.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Collection, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import Literal, NamedTuple, Protocol, cast
 
 import msgspec
@@ -60,9 +63,9 @@ from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
 from bridge.contract.snapshot import SNAPSHOT_VERSION, GroupState, RankSnapshot, SnapshotMissing, TierState
 from bridge.residency.fleet import FleetResidency
 from bridge.residency.lean import STORED_TYPES, LeanStored, ResidencyMessage, token_count
-from bridge.residency.prefix import PrefixMatch, group_limit, window_blocks
+from bridge.residency.prefix import PrefixMatch, allowed_at, window_blocks
 from bridge.residency.slots import WorkerKey
-from bridge.residency.views import GroupResidency, WorkerView
+from bridge.residency.views import GroupResidency, SlotStore, WorkerView
 
 
 class Interruption(msgspec.Struct, frozen=True):
@@ -94,6 +97,16 @@ class _Declared(NamedTuple):
     window: int | None
 
 
+def _held_before(res: GroupResidency, group: int, chain: tuple[BlockHash, ...],
+                 added: Counter[tuple[int, BlockHash]]) -> Callable[[int], bool]:
+    """Whether the group holds chain[i] on the GPU tier, leaving out the copies
+    stored at this batch position."""
+    def held_at(i: int) -> bool:
+        h = chain[i]
+        return res.held(GPU_MEDIUM, h) - added[(group, h)] > 0
+    return held_at
+
+
 class _Reannounced:
     """Parent-less GPU stores of one batch position of one worker rank (report mode "full")."""
 
@@ -122,12 +135,32 @@ class _Reannounced:
         return self._added
 
 
+class IndexStore(SlotStore, Protocol):
+    """An index's store: the slots its views keep, and its queries."""
+
+    def demote_all(self) -> None: ...
+
+    def longest_prefix(self, chain: Sequence[BlockHash], *, media: Collection[str] | None = None,
+                       include_suspect: bool = False, include_unwatched: bool = False,
+                       skip_workers: Collection[str] = ()) -> list[PrefixMatch]: ...
+
+    def match(self, slot: int, chain: Sequence[BlockHash], media: Collection[str] | None = None,
+              include_suspect: bool = False) -> PrefixMatch: ...
+
+    @property
+    def entries(self) -> int: ...
+
+    @property
+    def hashes(self) -> int: ...
+
+
 class ResidencyIndex:
     """Feed it bus items in order; ask it which worker holds the longest
-    hybrid-valid prefix of a request (`longest_prefix`)."""
+    hybrid-valid prefix of a request (`longest_prefix`). `store`: where the
+    copies live (default: the fleet structure)."""
 
-    def __init__(self) -> None:
-        self.fleet = FleetResidency()
+    def __init__(self, store: IndexStore | None = None) -> None:
+        self.store: IndexStore = store if store is not None else FleetResidency()
         self.views: dict[WorkerKey, WorkerView] = {}
         self.interruptions = 0
         # Group structure from the worker registry: it outlives resets, so a
@@ -135,6 +168,13 @@ class ResidencyIndex:
         self._declared: dict[WorkerKey, dict[int, _Declared]] = {}
         self._reannounced: dict[WorkerKey, _Reannounced] = {}
         self.reannounced_ignored = 0  # parent-less stores taken for report mode "full" announcements
+
+    @property
+    def fleet(self) -> FleetResidency:
+        """The fleet structure, for fleet-wide questions (`prefix_hits`, counts)."""
+        if not isinstance(self.store, FleetResidency):
+            raise TypeError("this index keeps per-rank tables, not the fleet structure")
+        return self.store
 
     # -- reading ---------------------------------------------------------
 
@@ -158,14 +198,14 @@ class ResidencyIndex:
         best first. `media` limits which tiers count (None: any); suspect entries
         count only with `include_suspect`; views whose bridge stopped, and
         `skip_workers` (e.g. dead in the registry), are left out."""
-        return self.fleet.longest_prefix(chain, media=media, include_suspect=include_suspect,
+        return self.store.longest_prefix(chain, media=media, include_suspect=include_suspect,
                                          include_unwatched=include_unwatched, skip_workers=skip_workers)
 
     def match(self, worker: str, dp_rank: int, chain: Sequence[BlockHash], *,
               media: Collection[str] | None = None, include_suspect: bool = False) -> PrefixMatch | None:
         """One worker's answer, whatever its state; None when unknown."""
         view = self.view(worker, dp_rank)
-        return None if view is None else self.fleet.match(view.slot, chain, media, include_suspect)
+        return None if view is None else self.store.match(view.slot, chain, media, include_suspect)
 
     def forget(self, worker: str) -> None:
         """Drop every rank of a worker (e.g. the registry says it is gone for good)."""
@@ -204,7 +244,7 @@ class ResidencyIndex:
         self.interruptions += 1
         for view in self.views.values():
             view.interruptions += 1
-        self.fleet.demote_all()
+        self.store.demote_all()
 
     def lose(self, worker: str, dp_rank: int) -> None:
         """This reader skipped some of one rank's messages (it could not keep
@@ -242,7 +282,7 @@ class ResidencyIndex:
         return view
 
     def _new_view(self, key: WorkerKey, epoch: int) -> WorkerView:
-        view = self.views[key] = WorkerView(key, epoch, self.fleet)
+        view = self.views[key] = WorkerView(key, epoch, self.store)
         for group, decl in self._declared.get(key, {}).items():
             self._seed(view, group, decl)
         return view
@@ -366,17 +406,14 @@ class ResidencyIndex:
             # fresh request's store, the common case, fails here at one lookup.
             # (Copies stored at this position are counted in too: none held, none to leave out.)
             if (res.family != WINDOW or window_blocks(res.window, res.block_size) != 0) and \
-                    res.count(GPU_MEDIUM, last) + res.count(GPU_MEDIUM, last, suspect=True) <= 0:
+                    res.held(GPU_MEDIUM, last) <= 0:
                 return False
         added = memo.added
         for group, res in view.groups.items():
             if res.family not in (ATTENTION, WINDOW, STATE):
                 continue
             constrained = True
-            held = [res.count(GPU_MEDIUM, h) + res.count(GPU_MEDIUM, h, suspect=True) - added[(group, h)] > 0
-                    for h in chain]
-            allowed, _ = group_limit(res, held)
-            if not allowed[k]:
+            if not allowed_at(res, _held_before(res, group, chain, added), k):
                 return False
         return constrained
 

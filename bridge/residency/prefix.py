@@ -16,7 +16,7 @@ with no attention, window or state group known reuses nothing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -106,6 +106,19 @@ def group_limit(g: GroupShape, held: list[bool]) -> tuple[list[bool], int]:
             allowed[p] = run >= (p if need is None else min(need, p))
     deepest = max(p for p in range(n + 1) if allowed[p])
     return allowed, deepest
+
+
+def allowed_at(g: GroupShape, held_at: Callable[[int], bool], k: int) -> bool:
+    """`group_limit(g, held)[0][k]`, reading only the blocks it needs, last
+    first (`held_at(i)`: whether the group holds block i): a state group
+    the checkpoint at k - 1, a window group its window's blocks before k,
+    an attention group (or a window of unknown size) every block before k."""
+    if k <= 0:
+        return True
+    if g.family == STATE:
+        return held_at(k - 1)
+    need = window_blocks(g.window, g.block_size) if g.family == WINDOW else None
+    return all(held_at(i) for i in range(k - 1, k - 1 - (k if need is None else min(need, k)), -1))
 
 
 def match_view(

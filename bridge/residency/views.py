@@ -1,8 +1,9 @@
 """Residency of one worker and rank: per group, per medium, hash → copies.
 
-The data lives in the fleet structure (`bridge.residency.fleet`), one for the
-whole index; these are its per-worker faces, with the attributes and methods
-consumers read (docs/consumers.md). `trusted`, `suspect` and `placeholders`
+The data lives in the index's store, one for the whole index: the fleet
+structure (`bridge.residency.fleet`), or per-rank tables for a reader of a
+few ranks (`bridge.residency.rank_tables`); these are its per-worker faces,
+with the attributes and methods consumers read (docs/consumers.md). `trusted`, `suspect` and `placeholders`
 are read-only mappings medium → {hash: copies}, computed on reading.
 
 The rules for feeding it (records, epochs) live in `bridge.residency.index`.
@@ -11,12 +12,56 @@ The rules for feeding it (records, epochs) live in `bridge.residency.index`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from bridge.contract import BlockHash
 from bridge.residency.fleet import FleetResidency
-from bridge.residency.prefix import Table
+from bridge.residency.prefix import GroupShape, Table
 from bridge.residency.slots import WorkerKey
+
+
+class SlotStore(Protocol):
+    """Where views keep their copies, one slot per worker rank: what
+    `FleetResidency` and `RankTables` both offer."""
+
+    def add_slot(self, key: WorkerKey) -> int: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def set_watching(self, slot: int, watching: bool) -> None: ...
+
+    def stale(self, slot: int) -> bool: ...
+
+    def set_partial(self, slot: int, partial: bool) -> None: ...
+
+    def set_shape(self, slot: int, group: int, shape: GroupShape) -> None: ...
+
+    def drop_shape(self, slot: int, group: int) -> None: ...
+
+    def reshape(self) -> None: ...
+
+    def store(self, slot: int, group: int, medium: str, hashes: list[BlockHash], placeholder: bool = False) -> None: ...
+
+    def remove(self, slot: int, group: int, medium: str, hashes: list[BlockHash]) -> tuple[int, int]: ...
+
+    def demote(self, slot: int, group: int) -> None: ...
+
+    def clear(self, slot: int, group: int) -> None: ...
+
+    def cell_media(self, slot: int, group: int) -> list[str]: ...
+
+    def cell_counts(self, slot: int, group: int, medium: str) -> tuple[int, int, int]: ...
+
+    def copies(self, slot: int, group: int, medium: str, h: BlockHash, layer: str) -> int: ...
+
+    def held(self, slot: int, group: int, medium: str, h: BlockHash) -> int: ...
+
+    def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]: ...
+
+    def held_copies(self, slot: int, group: int, medium: str,
+                    pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]: ...
+
+    def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]: ...
 
 
 class _Table(Mapping[BlockHash, int]):
@@ -112,7 +157,7 @@ class GroupResidency:
         # (seq, part, chunk) of the last message applied: within one epoch a
         # group's messages come in that order, so one at or below it is a copy.
         self.last_position: tuple[int, int, int] | None = None
-        self._fleet: FleetResidency | None = None  # set when a view takes it
+        self._fleet: SlotStore | None = None  # set when a view takes it
         self._slot = -1
 
     # The rule reads these three; a change tells the fleet.
@@ -150,10 +195,10 @@ class GroupResidency:
         if self._fleet is not None:
             self._fleet.reshape()
 
-    def _bound(self) -> FleetResidency:
+    def _bound(self) -> SlotStore:
         """The fleet holding this group's data; a group no view took gets one of its own."""
         if self._fleet is None:
-            fleet = FleetResidency()
+            fleet: SlotStore = FleetResidency()
             slot = fleet.add_slot(WorkerKey("", 0))
             self._fleet, self._slot = fleet, slot
             fleet.set_shape(slot, self.group, self)
@@ -222,6 +267,11 @@ class GroupResidency:
         """Copies of `h` held (trusted layer, or the suspect layer)."""
         f = self._fleet
         return 0 if f is None else f.copies(self._slot, self.group, medium, h, "suspect" if suspect else "trusted")
+
+    def held(self, medium: str, h: BlockHash) -> int:
+        """Copies of `h` held, trusted and suspect (`count` of both layers, in one lookup)."""
+        f = self._fleet
+        return 0 if f is None else f.held(self._slot, self.group, medium, h)
 
     def held_copies(self, medium: str, pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]:
         """(hash, trusted copies, suspect copies) of every hash held in
@@ -306,8 +356,8 @@ class WorkerView:
                  "gaps", "restarts", "clears", "interruptions", "lost", "old_epoch_ignored", "messages",
                  "duplicates_ignored", "_fleet", "_slot", "_partial")
 
-    def __init__(self, key: WorkerKey, epoch: int, fleet: FleetResidency | None = None) -> None:
-        self._fleet = fleet if fleet is not None else FleetResidency()
+    def __init__(self, key: WorkerKey, epoch: int, fleet: SlotStore | None = None) -> None:
+        self._fleet: SlotStore = fleet if fleet is not None else FleetResidency()
         self._slot = self._fleet.add_slot(key)
         self.key = key
         self.epoch = epoch  # 0: not known yet; the first one seen is adopted as is
@@ -348,7 +398,7 @@ class WorkerView:
 
     @property
     def slot(self) -> int:
-        """This rank's bit in the fleet structure."""
+        """This rank's slot in the index's store (its bit in the fleet structure)."""
         return self._slot
 
     @property

@@ -27,6 +27,7 @@ from bridge.contract.kinds import family_of
 from bridge.residency.index import ResidencyIndex
 from bridge.residency.lean import residency_decoder
 from bridge.residency.prefix import match_view
+from bridge.residency.rank_tables import RankTables
 from tests.client.builders import hb, hi, msg, record
 from tests.reference_index import ReferenceIndex
 
@@ -72,7 +73,9 @@ def assert_same_state(new: ResidencyIndex, ref: ReferenceIndex) -> None:
             assert g.suspect_count() == rg.suspect_count()
 
 
-def assert_same_answers(new: ResidencyIndex, ref: ReferenceIndex, chain: list, **kw: Any) -> None:  # type: ignore[type-arg]
+def assert_same_answers(new: ResidencyIndex, ref: ReferenceIndex, chain: list, *,  # type: ignore[type-arg]
+                        fleet: bool = True, **kw: Any) -> None:
+    """`fleet`: `new` keeps the fleet structure, whose `prefix_hits` is checked too."""
     got = new.longest_prefix(chain, **kw)
     want = ref.longest_prefix(chain, **kw)
     assert got == want, (chain, kw)
@@ -82,6 +85,8 @@ def assert_same_answers(new: ResidencyIndex, ref: ReferenceIndex, chain: list, *
         assert one == ref.match(key.worker, key.dp_rank, chain, media=media, include_suspect=suspect)
         # the per-worker faces still answer prefix.match_view as before
         assert match_view(view, chain, media, suspect) == one
+    if not fleet:
+        return
     hits = new.fleet.prefix_hits(chain, media=media, include_suspect=suspect,
                                  include_unwatched=kw.get("include_unwatched", False),
                                  skip_workers=kw.get("skip_workers", ()))
@@ -164,6 +169,14 @@ media = st.sampled_from((*MEDIA, None))
 
 
 class FleetVersusReference(RuleBasedStateMachine):
+    # The store under test: the fleet structure here, per-rank tables in
+    # RankTablesVersusReference below (the same machine).
+    fleet = True
+
+    @staticmethod
+    def make_index() -> ResidencyIndex:
+        return ResidencyIndex()
+
     @initialize(layout=st.lists(st.sampled_from(KINDS), min_size=4, max_size=4),
                 other=st.lists(st.sampled_from(KINDS), min_size=4, max_size=4),
                 shape=st.sampled_from(SHAPES))
@@ -171,11 +184,11 @@ class FleetVersusReference(RuleBasedStateMachine):
         # "a" and "c" share a layout, "b" has another: groups of one index differ in kind across the fleet
         self.kinds = {"a": layout, "b": other, "c": layout}
         self.shape = shape
-        self.new = ResidencyIndex()
+        self.new = self.make_index()
         self.ref = ReferenceIndex()
         # The same messages read as the bridge's keeper reads them: token ids
         # left encoded (bridge.residency.lean).
-        self.lean = ResidencyIndex()
+        self.lean = self.make_index()
         self.epoch = {(w, r): 1 for w in WORKERS for r in RANKS}
         self.seq = 0
         self.sent: list[GroupMessage] = []
@@ -295,27 +308,51 @@ class FleetVersusReference(RuleBasedStateMachine):
     @rule(chain=chains, media=st.sampled_from(QUERY_MEDIA), suspect=st.booleans(), unwatched=st.booleans(),
           skip=st.sampled_from([(), ("a",), ("b", "zz")]))
     def query(self, chain: list, media: Any, suspect: bool, unwatched: bool, skip: tuple[str, ...]) -> None:  # type: ignore[type-arg]
-        assert_same_answers(self.new, self.ref, chain, media=media, include_suspect=suspect,
+        assert_same_answers(self.new, self.ref, chain, fleet=self.fleet, media=media, include_suspect=suspect,
                             include_unwatched=unwatched, skip_workers=skip)
 
     @invariant()
     def same_state(self) -> None:
         if hasattr(self, "new"):
             assert_same_state(self.new, self.ref)
-            assert_same_answers(self.new, self.ref, [hb(i) for i in range(6)])
+            assert_same_answers(self.new, self.ref, [hb(i) for i in range(6)], fleet=self.fleet)
             assert_same_state(self.lean, self.ref)
             assert self.lean.reannounced_ignored == self.new.reannounced_ignored
             # nothing held, nothing interned: ids are freed with the last copy
             held = {h for v in self.ref.views.values() for g in v.groups.values()
                     for layer in (g.trusted, g.suspect) for t in layer.values() for h in t}
-            assert self.new.fleet.hashes == len(held)
-            audit(self.new.fleet)
+            assert self.new.store.hashes == len(held)
+            if self.fleet:
+                audit(self.new.fleet)
+            else:
+                entries = sum(len(set(g.trusted.get(m, ())) | set(g.suspect.get(m, ())))
+                              for v in self.ref.views.values() for g in v.groups.values()
+                              for m in set(g.trusted) | set(g.suspect))
+                assert self.new.store.entries == entries
 
 
 FleetVersusReference.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
 )
 TestFleetVersusReference = FleetVersusReference.TestCase
+
+
+class RankTablesVersusReference(FleetVersusReference):
+    """The same machine over per-rank tables (`RankTables`, the bridge's keeper's store)."""
+
+    fleet = False
+
+    @staticmethod
+    def make_index() -> ResidencyIndex:
+        return ResidencyIndex(store=RankTables())
+
+
+# Fewer examples than the fleet's machine: the rules it runs are the same
+# (checked there), only the store under them differs.
+RankTablesVersusReference.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
+TestRankTablesVersusReference = RankTablesVersusReference.TestCase
 
 
 # -- seeded fleets: long chains, shared prefixes, wide windows ---------------------------------------------------

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import NamedTuple
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bridge.contract import ATTENTION
+from bridge.contract import STATE as STATE_FAMILY
+from bridge.contract import WINDOW as WINDOW_FAMILY
 from bridge.residency.index import ResidencyIndex
-from bridge.residency.prefix import window_blocks
+from bridge.residency.prefix import allowed_at, group_limit, window_blocks
 from tests.client.builders import ATTN, OTHER_G, STATE, WIN, hb, hi, msg, removed, stored
 
 CHAIN = [hb(i) for i in range(8)]
@@ -164,3 +171,29 @@ def test_empty_chain_and_unknown_worker() -> None:
     index = _index(msg([stored(CHAIN[:2])]))
     assert _blocks(index, []) == 0
     assert index.match("nobody", 0, CHAIN) is None
+
+
+class _Shape(NamedTuple):
+    family: str
+    block_size: int
+    window: int | None
+
+
+@given(family=st.sampled_from((ATTENTION, WINDOW_FAMILY, STATE_FAMILY)), block_size=st.integers(0, 4),
+       window=st.none() | st.integers(-1, 20), held=st.lists(st.booleans(), max_size=12), data=st.data())
+def test_allowed_at_is_the_group_limit_at_one_position_reading_only_what_it_needs(
+        family: str, block_size: int, window: int | None, held: list[bool], data: st.DataObject) -> None:
+    # The residency rules ask whether a worker could resume at one position
+    # (report mode "full"); that answer must be the prefix rule's own.
+    g = _Shape(family, block_size, window)
+    k = data.draw(st.integers(0, len(held)))
+    read: list[int] = []
+
+    def held_at(i: int) -> bool:
+        read.append(i)
+        return held[i]
+
+    assert allowed_at(g, held_at, k) == group_limit(g, held)[0][k]
+    assert all(i < k for i in read)
+    if family == STATE_FAMILY:
+        assert read == ([k - 1] if k else [])

@@ -34,6 +34,7 @@ from bridge.producer.sink.acks import ack_seq
 from bridge.producer.sink.encode import Outgoing
 from bridge.residency import ResidencyIndex
 from bridge.residency.lean import ResidencyMessage, residency_decoder
+from bridge.residency.rank_tables import RankTables
 
 log = structlog.get_logger("bridge.producer.snapshot")
 
@@ -75,7 +76,9 @@ class ResidencyKeeper:
     def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024, ranks: Sequence[int] = (0,)) -> None:
         self.worker = worker
         self._ranks = tuple(ranks)
-        self.index = ResidencyIndex()
+        # One worker's few ranks: per-rank tables, not the fleet structure
+        # (a store is a dict update per hash, not interning and holder sets).
+        self.index = ResidencyIndex(store=RankTables())
         self._max_log_bytes = max_log_bytes
         self._log: deque[_Entry] = deque()
         # A let-go log, freed a little at a time: dropped at once, a full one
