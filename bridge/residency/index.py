@@ -305,6 +305,14 @@ class ResidencyIndex:
             g.window = decl.window
 
     def apply_group(self, msg: GroupMessage | ResidencyMessage, received: float | None = None) -> None:
+        for _ in self.apply_group_steps(msg, received):
+            pass
+
+    def apply_group_steps(self, msg: GroupMessage | ResidencyMessage, received: float | None = None,
+                          every: int = 0) -> Generator[None, None, None]:
+        """`apply_group` as steps: with `every`, a pause after every `every`
+        events, so that a reader on an event loop can apply a long message
+        in pieces. Nothing else may change the index until it is done."""
         view = self._current(msg.worker, msg.dp_rank, msg.epoch)
         if view is None:
             return
@@ -323,7 +331,9 @@ class ResidencyIndex:
         if msg.kind_source != "unknown" and (g.kind != msg.kind or g.family != msg.family):
             g.learn(msg.kind, msg.family)
         family = g.family
-        for any_event in msg.events:
+        for n, any_event in enumerate(msg.events):
+            if every and n and not n % every:
+                yield
             # A group message holds stores and removals only (clears split it).
             event = cast("BlockStored | LeanStored | BlockRemoved", any_event)
             medium = event.medium or DEFAULT_MEDIUM

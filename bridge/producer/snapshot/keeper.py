@@ -41,6 +41,9 @@ log = structlog.get_logger("bridge.producer.snapshot")
 # Applied in slices of this long while the bridge is idle, so a batch
 # arriving meanwhile waits no longer than that.
 IDLE_SLICE_S = 0.0005
+# Events applied between looks at the clock: a message of hundreds of events
+# is applied in pieces, so that an idle slice overruns by at most this many.
+STEP_EVENTS = 32
 # Messages of a let-go log dropped per hand-over, besides two per message
 # handed over: freed faster than the next log fills, so it only shrinks.
 GARBAGE_STEP = 64
@@ -78,7 +81,10 @@ class ResidencyKeeper:
         self._ranks = tuple(ranks)
         # One worker's few ranks: per-rank tables, not the fleet structure
         # (a store is a dict update per hash, not interning and holder sets).
-        self.index = ResidencyIndex(store=RankTables())
+        self._index = ResidencyIndex(store=RankTables())
+        # A message applied in part by an idle slice: finished before anything
+        # else reads or changes the index (`settle`).
+        self._partial: Generator[None, None, Refusal | None] | None = None
         self._max_log_bytes = max_log_bytes
         self._log: deque[_Entry] = deque()
         # A let-go log, freed a little at a time: dropped at once, a full one
@@ -106,6 +112,20 @@ class ResidencyKeeper:
         self._lost = False  # shed while an export ran: the ranks are told at the next catch-up
         # Exports in progress (worker threads reading the index): nothing is applied meanwhile.
         self._exporting = 0
+
+    @property
+    def index(self) -> ResidencyIndex:
+        """The ranks' residency, with any message applied in part finished."""
+        self.settle()
+        return self._index
+
+    def settle(self) -> None:
+        """Finishes the message an idle slice left applied in part."""
+        partial = self._partial
+        if partial is not None:
+            self._partial = None
+            for _ in partial:
+                pass
 
     # -- what the sink hands over -----------------------------------------
 
@@ -162,8 +182,9 @@ class ResidencyKeeper:
         self.log_bytes = 0
 
     def _mark_lost(self) -> None:
+        index = self.index
         for rank in self._ranks:
-            self.index.lose(self.worker, rank)
+            index.lose(self.worker, rank)
         self._lost = False
 
     def free(self, n: int) -> None:
@@ -176,7 +197,13 @@ class ResidencyKeeper:
 
     @property
     def pending(self) -> int:
-        return len(self._log)
+        """Messages not applied yet, one applied in part included."""
+        return len(self._log) + (self._partial is not None)
+
+    @property
+    def exporting(self) -> bool:
+        """A snapshot is being read or encoded: nothing is applied meanwhile."""
+        return self._exporting > 0
 
     @property
     def garbage(self) -> int:
@@ -184,22 +211,34 @@ class ResidencyKeeper:
 
     def catch_up(self, limit: int = 0, seconds: float = 0.0) -> int:
         """Applies up to `limit` logged messages (0: all), for at most about
-        `seconds` (0: no bound); returns how many (none while a snapshot is
-        being exported: the log holds them)."""
+        `seconds` (0: no bound), `STEP_EVENTS` events at a time: a message
+        the time runs out in stays applied in part (`pending` counts it) and
+        is finished first next time. Returns how many messages it finished
+        (none while a snapshot is being exported: the log holds them)."""
         if self._exporting:
             return 0
         if self._lost:
             self._mark_lost()
         n = 0
         log_ = self._log
-        end = time.perf_counter() + seconds if seconds else 0.0
-        apply = self._apply
-        while log_ and (not limit or n < limit):
-            payload, msg_id, decoder, ack, size = log_.popleft()
-            self.log_bytes -= size
-            apply(decoder, payload, msg_id, ack, None)
+        clock = time.perf_counter
+        end = clock() + seconds if seconds else 0.0
+        every = STEP_EVENTS if seconds else 0
+        steps, self._partial = self._partial, None
+        while True:
+            if steps is None:
+                if not log_ or (limit and n >= limit):
+                    break
+                payload, msg_id, decoder, ack, size = log_.popleft()
+                self.log_bytes -= size
+                steps = self._apply_steps(decoder, payload, msg_id, ack, None, every)
+            for _ in steps:
+                if end and clock() >= end:
+                    self._partial = steps
+                    return n
+            steps = None
             n += 1
-            if end and time.perf_counter() >= end:
+            if end and clock() >= end:
                 break
         return n
 
@@ -210,10 +249,12 @@ class ResidencyKeeper:
         the relay waits up to a slice per turn); waits out an export in
         progress."""
         target = self.pending
-        while target > 0 and self._log:
-            n = self.catch_up(target, seconds=IDLE_SLICE_S)
-            target -= n
-            await anyio.sleep(0 if n else 0.005)
+        while target > 0 and self.pending:
+            if self._exporting:
+                await anyio.sleep(0.005)
+                continue
+            target -= self.catch_up(target, seconds=IDLE_SLICE_S)
+            await anyio.sleep(0)
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One of the bridge's own messages, applied now (not logged)."""
@@ -230,6 +271,17 @@ class ResidencyKeeper:
 
     def _apply(self, decoder: Any, payload: bytes, msg_id: str, ack: bytes | None,
                origin: Origin | None) -> Refusal | None:
+        self.settle()
+        steps = self._apply_steps(decoder, payload, msg_id, ack, origin, 0)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def _apply_steps(self, decoder: Any, payload: bytes, msg_id: str, ack: bytes | None,
+                     origin: Origin | None, every: int) -> Generator[None, None, Refusal | None]:
+        """`_apply` as steps, a pause after every `every` events (0: none)."""
         try:
             body = decoder.decode(payload)  # type: ignore[union-attr]
         except (AttributeError, msgspec.DecodeError, msgspec.ValidationError):
@@ -244,9 +296,9 @@ class ResidencyKeeper:
                 self.refused[why] += 1
                 return why
         if kind is ResidencyMessage or kind is GroupMessage:
-            self.index.apply_group(body)
+            yield from self._index.apply_group_steps(body, every=every)
         else:
-            self.index.apply_record(body)
+            self._index.apply_record(body)
         rank = body.dp_rank
         # A duplicate's ack names the stored copy's (earlier) sequence: the
         # position a reader goes on from only moves forward.
@@ -265,6 +317,7 @@ class ResidencyKeeper:
     def snapshot(self, dp_rank: int) -> RankSnapshot | None:
         """The rank's residency after the last message applied; apply the log
         first (`catch_up`) for the latest. None: nothing known of the rank."""
+        self.settle()
         through = self._through.get(dp_rank)
         return self.index.snapshot(
             self.worker, dp_rank, through=through.msg_id if through else "",
@@ -284,6 +337,7 @@ class ResidencyKeeper:
             self._mark_lost()
         self._exporting += 1
         try:
+            self.settle()
             through = self._through.get(dp_rank)
             steps = self.index.snapshot_steps(
                 self.worker, dp_rank, through=through.msg_id if through else "",
@@ -328,7 +382,8 @@ async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool]) -> None:
     slice at a time, until cancelled."""
     while True:
         await anyio.sleep(0.02)
-        while keeper.pending and idle() and keeper.catch_up(seconds=IDLE_SLICE_S):
+        while keeper.pending and idle() and not keeper.exporting:
+            keeper.catch_up(seconds=IDLE_SLICE_S)
             await anyio.sleep(0)
         while keeper.garbage and idle():
             keeper.free(GARBAGE_STEP * 16)
