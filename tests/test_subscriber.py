@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,7 +11,9 @@ import anyio.abc
 import pytest
 import zmq
 
+from bridge.producer.source import zmq_io
 from bridge.producer.source.subscriber import Subscriber
+from bridge.producer.source.zmq_io import InputWatch
 
 
 async def _forward(sub: Subscriber, send: anyio.abc.ObjectSendStream[list[list[bytes]]]) -> None:
@@ -32,14 +35,15 @@ async def _quiet(receive: anyio.abc.ObjectReceiveStream[list[list[bytes]]], seco
 
 
 @asynccontextmanager
-async def _wired(coalesce: float) -> AsyncIterator[tuple[zmq.Socket[bytes], anyio.abc.ObjectReceiveStream[list[list[bytes]]]]]:
+async def _wired(coalesce: float, watch: InputWatch | None = None,
+                 ) -> AsyncIterator[tuple[zmq.Socket[bytes], anyio.abc.ObjectReceiveStream[list[list[bytes]]]]]:
     """A PUB socket and what a Subscriber on it yields, once the subscription
     has arrived (PUB drops until then: probes go until one comes through)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sub = Subscriber(ctx, f"tcp://127.0.0.1:{port}", "", 1000, coalesce_s=coalesce)
+    sub = Subscriber(ctx, f"tcp://127.0.0.1:{port}", "", 1000, coalesce_s=coalesce, watch=watch)
     send, receive = anyio.create_memory_object_stream[list[list[bytes]]](100)
     try:
         async with anyio.create_task_group() as tg:
@@ -81,3 +85,29 @@ async def test_without_coalescing_every_batch_is_taken_as_it_comes() -> None:
         for i in range(5):
             pub.send_multipart([b"", f"m{i}".encode()])
             assert await _next(receive) == [f"m{i}".encode()]
+
+
+@pytest.mark.anyio
+async def test_the_input_watch_sees_a_waiting_batch_and_leaves_the_subscriber_its_wakeup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The idle snapshot keeper asks the watch between pieces of its work, on
+    # the loop, while the subscriber waits on its socket's FD. Asking must
+    # not take the edge the subscriber waits for: with the safety net's bound
+    # a minute long, a subscriber whose edge was taken would not wake in time.
+    monkeypatch.setattr(zmq_io.wait_readable, "__defaults__", (60.0,))
+    watch = InputWatch()
+    async with _wired(coalesce=0.0, watch=watch) as (pub, receive):
+        assert not watch.waiting()
+        pub.send_multipart([b"", b"x"])
+        seen = 0
+        for _ in range(5000):  # the loop held, as the keeper holds it: nobody reads meanwhile
+            if watch.waiting():
+                seen += 1
+                if seen == 3:  # asked again: still there
+                    break
+            else:
+                time.sleep(0.001)
+        assert seen == 3
+        assert await _next(receive) == [b"x"]
+        await anyio.sleep(0.05)
+        assert not watch.waiting()  # read: nothing waits any more

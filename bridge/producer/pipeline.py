@@ -28,6 +28,7 @@ from bridge.producer.source.recovery import ReplayPolicy
 from bridge.producer.source.replay import ReplayClient
 from bridge.producer.source.sequencer import SeqTracker
 from bridge.producer.source.subscriber import Subscriber
+from bridge.producer.source.zmq_io import InputWatch
 from bridge.producer.telemetry.metrics import Metrics
 
 # A sink that took no batch for this long is stalled, not slow.
@@ -39,8 +40,9 @@ class StreamPipeline:
 
     def __init__(self, plan: StreamPlan, settings: StreamSettings, *, ctx: zmq.Context[zmq.Socket[bytes]],
                  queue: BatchQueue, encoder: MessageEncoder, metrics: Metrics, max_payload: Callable[[], int],
-                 nats_up: Callable[[], bool]) -> None:
+                 nats_up: Callable[[], bool], watch: InputWatch | None = None) -> None:
         self.plan = plan
+        self._watch = watch
         self._settings = settings
         self._ctx = ctx
         self._queue = queue
@@ -96,7 +98,7 @@ class StreamPipeline:
         s = self._settings
         continuity = self._continuity
         sub = Subscriber(self._ctx, self.plan.endpoint, s.topic, s.rcvhwm, s.coalesce_s,
-                         socket_limit(s.max_frame_bytes))
+                         socket_limit(s.max_frame_bytes), self._watch)
         self._log.info("zmq_subscribed", replay=self.plan.replay_endpoint, topic=s.topic)
         through = continuity.resumed_through
         self.announce.put("start", reason="fresh" if through is None else "resumed", seq=through)

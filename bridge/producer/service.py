@@ -33,9 +33,11 @@ from bridge.producer.snapshot.bucket import SnapshotWriter, open_bucket
 from bridge.producer.snapshot.keeper import ResidencyKeeper, keep_up
 from bridge.producer.snapshot.rebuild import rebuild_rank
 from bridge.producer.snapshot.service import SnapshotService
+from bridge.producer.source.zmq_io import InputWatch
 from bridge.producer.telemetry.health import Health
 from bridge.producer.telemetry.http import serve_http
 from bridge.producer.telemetry.metrics import Metrics
+from bridge.runtime.memory import MemoryReturn
 from bridge.runtime.nats_server import NatsServerProcess
 from bridge.runtime.stopping import stop_on_signal
 
@@ -54,6 +56,7 @@ class Bridge:
         self.metrics.info.labels(__version__, settings.worker_id).set(1)
         self.http_port: int | None = None
         self._pipelines: list[StreamPipeline] = []
+        self._input = InputWatch()  # the pipelines' ZMQ sockets, for the idle keeper
         self.catalog = GroupCatalog()
         self.started_at = time.time()
         self._registry: WorkerRegistry | None = None
@@ -166,11 +169,12 @@ class Bridge:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         encoder = MessageEncoder(s.format)
         shared = StreamSettings.of(s)
+        watch = self._input
         for plan in stream_plans(s):
             self._pipelines.append(
                 StreamPipeline(
                     plan, shared, ctx=ctx, queue=self.queue, encoder=encoder, metrics=self.metrics,
-                    max_payload=self._max_payload, nats_up=lambda: self.health.nats_connected,
+                    max_payload=self._max_payload, nats_up=lambda: self.health.nats_connected, watch=watch,
                 )
             )
         stop = stop or anyio.Event()
@@ -270,7 +274,9 @@ class Bridge:
         keeper = self.keeper
         if keeper is None or self.sink.nc is None:
             return
-        tg.start_soon(keep_up, keeper, lambda: not len(self.queue))
+        # Idle: nothing queued for NATS, and no batch waiting in ZMQ.
+        watch = self._input
+        tg.start_soon(keep_up, keeper, lambda: not len(self.queue) and not watch.waiting(), MemoryReturn())
         if self._snapshot_writer is not None:
             tg.start_soon(self._snapshot_writer.run)
         service = SnapshotService(keeper, self.settings.subject_prefix, [p.plan.dp_rank for p in self._pipelines],

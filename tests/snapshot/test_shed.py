@@ -8,6 +8,7 @@ empties their views."""
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import pytest
 
@@ -15,8 +16,9 @@ from bridge.contract import BlockStored
 from bridge.contract.msgid import stream_base
 from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.subjects import SubjectBook
-from bridge.producer.snapshot.keeper import GARBAGE_STEP, ResidencyKeeper
+from bridge.producer.snapshot.keeper import GARBAGE_STEP, ResidencyKeeper, keep_up
 from bridge.residency.lean import LeanStored, token_count
+from bridge.runtime.memory import MemoryReturn
 from tests.client.builders import hi, msg, record, stored
 
 WORKER = "pod-s"
@@ -178,3 +180,32 @@ async def test_an_export_gives_the_loop_its_turns_and_takes_what_snapshot_takes(
     assert snap is not None and encode_snapshot(taken[0]) == encode_snapshot(
         msgspec.structs.replace(snap, taken_at=taken[0].taken_at))
     assert turns > 1
+
+
+
+@pytest.mark.anyio
+async def test_a_big_log_gives_its_memory_back_once_applied() -> None:
+    """The free memory a burst leaves stays in the process unless given
+    back: once the idle keeper has applied a big log, it is, once."""
+    given: list[int] = []
+    memory = MemoryReturn(lambda pad: given.append(pad) or 1)
+    keeper = ResidencyKeeper(WORKER, ranks=(0,))
+    bridge = Bridge(keeper)
+    busy = True
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(keep_up, keeper, lambda: not busy, memory, 64 * 1024)
+        i = 0
+        while keeper.log_bytes < 64 * 1024:
+            bridge.store(0, hi(i))
+            i += 1
+        await anyio.sleep(0.1)
+        assert given == [] and keeper.pending  # busy: nothing applied, nothing given back
+        busy = False
+        with anyio.fail_after(10):
+            while not given:
+                await anyio.sleep(0.01)
+        assert keeper.pending == 0 and keeper.log_peak == 0
+        bridge.store(0, hi(i))  # a small log after it
+        await anyio.sleep(0.2)
+        assert keeper.pending == 0 and given == [0]
+        tg.cancel_scope.cancel()

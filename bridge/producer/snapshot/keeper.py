@@ -35,12 +35,18 @@ from bridge.producer.sink.encode import Outgoing
 from bridge.residency import ResidencyIndex
 from bridge.residency.lean import ResidencyMessage, residency_decoder
 from bridge.residency.rank_tables import RankTables
+from bridge.runtime.memory import MemoryReturn
 
 log = structlog.get_logger("bridge.producer.snapshot")
 
 # Applied in slices of this long while the bridge is idle, so a batch
 # arriving meanwhile waits no longer than that.
 IDLE_SLICE_S = 0.0005
+# How long the idle keeper waits for the relay to be idle again, while work waits.
+BUSY_WAIT_S = 0.001
+# A log that held this much, once applied or let go, leaves free memory the C
+# allocator keeps unless asked to give it back (bridge.runtime.memory).
+GIVE_BACK_AFTER = 8 * 1024 * 1024
 # Events applied between looks at the clock: a message of hundreds of events
 # is applied in pieces, so that an idle slice overruns by at most this many.
 STEP_EVENTS = 32
@@ -91,6 +97,7 @@ class ResidencyKeeper:
         # would hold the loop for tens of milliseconds.
         self._garbage: deque[_Entry] = deque()
         self.log_bytes = 0
+        self.log_peak = 0  # the most log_bytes held since free memory was last given back
         self._through: dict[int, _Through] = {}
         # Group payloads in msgpack decode with their token ids left encoded:
         # the residency rules only count them (bridge.residency.lean).
@@ -159,6 +166,8 @@ class ResidencyKeeper:
 
     def _logged(self, n: int) -> None:
         """After `n` messages joined the log: bound it, and free some of a let-go one."""
+        if self.log_bytes > self.log_peak:
+            self.log_peak = self.log_bytes
         if self.log_bytes > self._max_log_bytes:
             self.shed()
         if self._garbage:
@@ -209,12 +218,14 @@ class ResidencyKeeper:
     def garbage(self) -> int:
         return len(self._garbage)
 
-    def catch_up(self, limit: int = 0, seconds: float = 0.0) -> int:
+    def catch_up(self, limit: int = 0, seconds: float = 0.0, busy: Callable[[], bool] | None = None) -> int:
         """Applies up to `limit` logged messages (0: all), for at most about
         `seconds` (0: no bound), `STEP_EVENTS` events at a time: a message
         the time runs out in stays applied in part (`pending` counts it) and
-        is finished first next time. Returns how many messages it finished
-        (none while a snapshot is being exported: the log holds them)."""
+        is finished first next time. With `busy`, it also stops at the first
+        pause where that says the relay has work. Returns how many messages
+        it finished (none while a snapshot is being exported: the log holds
+        them)."""
         if self._exporting:
             return 0
         if self._lost:
@@ -233,12 +244,12 @@ class ResidencyKeeper:
                 self.log_bytes -= size
                 steps = self._apply_steps(decoder, payload, msg_id, ack, None, every)
             for _ in steps:
-                if end and clock() >= end:
+                if end and (clock() >= end or (busy is not None and busy())):
                     self._partial = steps
                     return n
             steps = None
             n += 1
-            if end and clock() >= end:
+            if end and (clock() >= end or (busy is not None and busy())):
                 break
         return n
 
@@ -377,14 +388,32 @@ async def _in_slices(steps: Generator[None, None, Any]) -> Any:
         await anyio.sleep(0)
 
 
-async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool]) -> None:
-    """Applies the log while the bridge is `idle` (nothing queued for NATS), a
-    slice at a time, until cancelled."""
+async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool], memory: MemoryReturn | None = None,
+                  give_back_after: int = GIVE_BACK_AFTER) -> None:
+    """Applies the log while the bridge is `idle` (nothing waits to go to
+    NATS), a slice at a time, until cancelled. With `memory`: once a log that
+    held `give_back_after` bytes or more is applied or let go, the free memory
+    goes back to the system (in a worker thread: the loop goes on)."""
+
+    def busy() -> bool:
+        return not idle()
+
     while True:
         await anyio.sleep(0.02)
-        while keeper.pending and idle() and not keeper.exporting:
-            keeper.catch_up(seconds=IDLE_SLICE_S)
-            await anyio.sleep(0)
-        while keeper.garbage and idle():
-            keeper.free(GARBAGE_STEP * 16)
-            await anyio.sleep(0)
+        if memory is not None and keeper.log_peak >= give_back_after and not keeper.pending \
+                and not keeper.garbage and idle():
+            peak, keeper.log_peak = keeper.log_peak, 0
+            await anyio.to_thread.run_sync(memory.give_back)
+            log.debug("memory_given_back", log_peak=peak)
+        # While work waits, the keeper looks again within a millisecond of a
+        # busy moment: at a steady load the relay is busy often but briefly,
+        # and backing off for the whole 20 ms let the log outgrow its bound.
+        while (keeper.pending and not keeper.exporting) or keeper.garbage:
+            if not idle():
+                await anyio.sleep(BUSY_WAIT_S)
+            elif keeper.pending and not keeper.exporting:
+                keeper.catch_up(seconds=IDLE_SLICE_S, busy=busy)
+                await anyio.sleep(0)
+            else:
+                keeper.free(GARBAGE_STEP * 16)
+                await anyio.sleep(0)

@@ -9,7 +9,7 @@ import anyio.lowlevel
 import structlog
 import zmq
 
-from bridge.producer.source.zmq_io import drain, readable, wait_readable
+from bridge.producer.source.zmq_io import InputWatch, drain, readable, wait_readable
 
 log = structlog.get_logger("bridge.subscriber")
 
@@ -23,7 +23,7 @@ DRAIN_BYTES = 2 * 1024 * 1024
 class Subscriber:
     def __init__(
         self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: str, rcvhwm: int, coalesce_s: float = 0.0,
-        max_message_bytes: int = -1,
+        max_message_bytes: int = -1, watch: InputWatch | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._coalesce_s = coalesce_s
@@ -40,6 +40,9 @@ class Subscriber:
         # connection made again by hand once the stream is quiet.
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
+        self._watch = watch
+        if watch is not None:
+            watch.add(self._sock)
 
     async def batches(self) -> AsyncIterator[list[list[bytes]]]:
         """Everything queued right now (up to a budget), as one list; waits
@@ -88,6 +91,8 @@ class Subscriber:
             self._sock.connect(self.endpoint)
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.remove(self._sock)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)

@@ -7,6 +7,8 @@ loop cheap.
 
 from __future__ import annotations
 
+import select
+
 import anyio
 import zmq
 
@@ -64,3 +66,27 @@ def drain(sock: zmq.Socket[bytes], limit: int, max_bytes: int = 0) -> list[list[
         pass
     return out
 
+
+
+class InputWatch:
+    """Whether a message may be waiting on any watched socket, asked without
+    touching the sockets: reading a socket's EVENTS consumes the edge its FD
+    signals, so its own reader, waiting on that FD, would not wake. This
+    polls the FDs themselves: readable from a message's arrival until that
+    reader reads. Work that may wait (the snapshot keeper) asks it between
+    pieces."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+
+    def add(self, sock: zmq.Socket[bytes]) -> None:
+        self._poll.register(sock.get(zmq.FD), select.POLLIN)  # type: ignore[arg-type]
+
+    def remove(self, sock: zmq.Socket[bytes]) -> None:
+        try:
+            self._poll.unregister(sock.get(zmq.FD))  # type: ignore[arg-type]
+        except (KeyError, zmq.ZMQError):
+            pass
+
+    def waiting(self) -> bool:
+        return bool(self._poll.poll(0))
