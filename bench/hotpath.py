@@ -2,7 +2,9 @@
 
 What kv-bridge does to every batch between ZMQ and the NATS socket, without
 either: decode (`BatchDecoder`, msgpack relay), normalize (`Normalizer`) and
-encode each group message (`MessageEncoder`), over the benchmark's traffic
+encode each group message (`MessageEncoder`), and with `--keep` what the
+snapshot keeper then does with them (`ResidencyKeeper`: log each message and
+apply it to the rank's residency), over the benchmark's traffic
 (bench/traffic.py) in map form and in array form. Each (tree, encoding) runs
 in its own process, so a tree's own `bridge` package is the one imported.
 
@@ -14,8 +16,9 @@ Two figures per cell:
 
 `--ref-src TREE` adds the same cells for another source tree (its root), e.g.
 a git worktree of the commit before a change. `--stages` also counts the
-instructions of each stage: runs that stop after decode and after normalize,
-each stage's figure the difference from the run before. Figures go to
+instructions of each stage: runs that stop after decode, after normalize
+(and with `--keep` after encode), each stage's figure the difference from
+the run before. Figures go to
 bench/results/hotpath.json.
 """
 
@@ -48,9 +51,10 @@ from bridge.producer.decode.decoder import BatchDecoder
 from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
 from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.subjects import SubjectBook
+from bridge.producer.snapshot.keeper import ResidencyKeeper
 
 path, size, rounds, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-upto = int(sys.argv[5])  # stages run: 1 decode, 2 and normalize, 3 and encode
+upto = int(sys.argv[5])  # stages run: 1 decode, 2 and normalize, 3 and encode, 4 and keep
 pools = msgspec.msgpack.decode(open(path, "rb").read())
 pool = next(p for p in pools if p[0] == size)
 payloads, events = pool[1], sum(pool[2])
@@ -60,15 +64,20 @@ encoder = MessageEncoder("msgpack")
 subjects = SubjectBook("kv", "bench", 0)
 ident = StreamIdentity(worker="bench", dp_rank=0, topic="", epoch=1)
 stats = NormalizeStats()
+keeper = ResidencyKeeper("bench")
 
 def one_round():
     for seq, payload in enumerate(payloads):
         batch = decoder.decode(payload)
         if upto == 1:
             continue
+        out = []
         for item in normalizer.normalize(ident, seq, batch.ts, batch.events, 0.0, stats):
-            if upto == 3 and hasattr(item, "events"):
-                encoder.group(item, subjects, "bench:0:1")
+            if upto >= 3 and hasattr(item, "events"):
+                out.append(encoder.group(item, subjects, "bench:0:1"))
+        if upto == 4:
+            keeper.published(out)
+            keeper.catch_up()
         stats.dropped.clear()
         stats.transformed.clear()
 
@@ -83,6 +92,7 @@ print(json.dumps({"events": events * rounds, "times": times}))
 
 
 STAGES = ("decode", "normalize", "encode")
+KEEP_STAGES = (*STAGES, "keep")
 
 
 def run_child(tree: Path, traffic: Path, size: int, rounds: int, repeats: int,
@@ -110,22 +120,23 @@ def instructions_per_event(tree: Path, traffic: Path, size: int, rounds: int,
     return (total - base) / out["events"]
 
 
-def instructions_by_stage(tree: Path, traffic: Path, size: int, rounds: int) -> dict[str, float] | None:
+def instructions_by_stage(tree: Path, traffic: Path, size: int, rounds: int,
+                          stages: tuple[str, ...] = STAGES) -> dict[str, float] | None:
     """Ir/event of each stage: the runs up to it and up to the one before, subtracted."""
-    upto = [instructions_per_event(tree, traffic, size, rounds, n) for n in range(1, len(STAGES) + 1)]
+    upto = [instructions_per_event(tree, traffic, size, rounds, n) for n in range(1, len(stages) + 1)]
     if any(ir is None for ir in upto):
         return None
     cumulative = [0.0, *(ir for ir in upto if ir is not None)]
-    return {stage: cumulative[i + 1] - cumulative[i] for i, stage in enumerate(STAGES)}
+    return {stage: cumulative[i + 1] - cumulative[i] for i, stage in enumerate(stages)}
 
 
-def print_stages(cells: dict[str, Any], base: dict[str, int]) -> None:
+def print_stages(cells: dict[str, Any], base: dict[str, int], stages: tuple[str, ...] = STAGES) -> None:
     """Ir/event per stage and cell, and the base cell's over each (as above: above 1 is fewer)."""
-    print(f"{'Ir/event':<12}" + "".join(f" {stage:>9}   x map" for stage in STAGES))
+    print(f"{'Ir/event':<12}" + "".join(f" {stage:>9}   x map" for stage in stages))
     for name, cell in cells.items():
-        stages = cell.get("ir_by_stage")
-        if stages:
-            print(f"{name:<12}" + "".join(f" {stages[s]:>9} {base[s] / stages[s]:>7.3f}" for s in STAGES))
+        by_stage = cell.get("ir_by_stage")
+        if by_stage:
+            print(f"{name:<12}" + "".join(f" {by_stage[s]:>9} {base[s] / by_stage[s]:>7.3f}" for s in stages))
     print("(per stage, x map as above: the base cell's Ir/event over this cell's; above 1 is fewer instructions)")
 
 
@@ -137,11 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="Interleaved wall-time repeats.")
     ap.add_argument("--rounds", type=int, default=3, help="Passes over the traffic pool per repeat.")
     ap.add_argument("--skip-callgrind", action="store_true")
-    ap.add_argument("--stages", action="store_true", help="Also Ir/event per stage (three callgrind runs a cell).")
+    ap.add_argument("--stages", action="store_true", help="Also Ir/event per stage (a callgrind run a stage and cell).")
+    ap.add_argument("--keep", action="store_true", help="Also the snapshot keeper's stage (log and apply).")
     ap.add_argument("--smoke", action="store_true", help="Tiny counts, no callgrind: only that it runs.")
+    ap.add_argument("--pool-events", type=int, default=60_000, help="Distinct events in the traffic pool.")
+    ap.add_argument("--map-only", action="store_true", help="Leave out the array-form cell.")
     ap.add_argument("--out", help="JSON output (default bench/results/hotpath.json).")
     args = ap.parse_args(argv)
-    pool_events = 3_000 if args.smoke else 60_000
+    stages = KEEP_STAGES if args.keep else STAGES
+    pool_events = 3_000 if args.smoke else args.pool_events
     repeats, rounds = (1, 1) if args.smoke else (args.repeats, args.rounds)
     callgrind = not (args.smoke or args.skip_callgrind) and shutil.which("valgrind") is not None
     with tempfile.TemporaryDirectory(prefix="kvb-hotpath-") as tmp:
@@ -149,16 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"this": ROOT}
         if args.ref_src:
             trees["ref"] = Path(args.ref_src).resolve()
-        traffic = {enc: cached((args.size,), pool_events, cache, encoding=enc)[0] for enc in ("map", "array")}
+        encodings = ("map",) if args.map_only else ("map", "array")
+        traffic = {enc: cached((args.size,), pool_events, cache, encoding=enc)[0] for enc in encodings}
         cells = [(t, e) for t in trees for e in traffic if not (t == "ref" and e == "array")]
         times: dict[str, list[float]] = {f"{t}-{e}": [] for t, e in cells}
         events: dict[str, int] = {}
         for _ in range(repeats):  # interleaved: a noisy neighbour hurts every cell alike
             for t, e in cells:
-                out, _ = run_child(trees[t], traffic[e], args.size, rounds, 1)
+                out, _ = run_child(trees[t], traffic[e], args.size, rounds, 1, upto=len(stages))
                 times[f"{t}-{e}"].extend(out["times"])
                 events[f"{t}-{e}"] = out["events"]
-        result: dict[str, Any] = {"size": args.size, "rounds": rounds, "repeats": repeats, "cells": {}}
+        result: dict[str, Any] = {"size": args.size, "rounds": rounds, "repeats": repeats, "stages": list(stages),
+                              "cells": {}}
         for name in times:
             ns = statistics.median(times[name]) / events[name] * 1e9
             result["cells"][name] = {"ns_per_event": round(ns, 1), "ns_each": [
@@ -166,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
             if callgrind:
                 t, e = name.split("-")
                 if args.stages:
-                    by_stage = instructions_by_stage(trees[t], traffic[e], args.size, 1)
+                    by_stage = instructions_by_stage(trees[t], traffic[e], args.size, 1, stages)
                     ir = None if by_stage is None else sum(by_stage.values())
                     result["cells"][name]["ir_by_stage"] = by_stage and {k: round(v) for k, v in by_stage.items()}
                 else:
-                    ir = instructions_per_event(trees[t], traffic[e], args.size, 1)
+                    ir = instructions_per_event(trees[t], traffic[e], args.size, 1, len(stages))
                 result["cells"][name]["ir_per_event"] = None if ir is None else round(ir)
     base = result["cells"].get("ref-map") or result["cells"]["this-map"]
-    print(f"hot path (decode, normalize, encode), {args.size}-event batches; ns/event: median of {repeats}")
+    print(f"hot path ({', '.join(stages)}), {args.size}-event batches; ns/event: median of {repeats}")
     print(f"{'cell':<12} {'ns/event':>9} {'x map':>7} {'Ir/event':>9} {'x map':>7}")
     for name, cell in result["cells"].items():
         ns_ratio = base["ns_per_event"] / cell["ns_per_event"]
@@ -185,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'-' if ir is None else ir:>9} {'-' if ir_ratio is None else format(ir_ratio, '.3f'):>7}")
     print("(x map: the map-form cell of the reference tree, else of this one, over this cell; above 1 is faster)")
     if base.get("ir_by_stage"):
-        print_stages(result["cells"], base["ir_by_stage"])
+        print_stages(result["cells"], base["ir_by_stage"], stages)
     out_path = Path(args.out) if args.out else RESULTS / "hotpath.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))

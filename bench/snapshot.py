@@ -220,9 +220,9 @@ def measure_take(form: str, blocks: int, seed: int, runs: int) -> dict[str, Any]
         phases["join"].append(d2 - d1)
         phases["restore"].append(d4 - d3)
         size, parts = len(data), len(chunks)
-        snap_entries = keeper.index.fleet.entries
+        snap_entries = keeper.index.store.entries
         hashes = sum(len(t.trusted) + len(t.suspect) + len(t.placeholders) for g in snap.groups for t in g.tiers)
-        assert fresh.fleet.entries == snap_entries, "restore holds what the snapshot held"
+        assert fresh.store.entries == snap_entries, "restore holds what the snapshot held"
         del keeper, fresh, got, snap, warm
         gc.collect()
     return {
@@ -249,8 +249,8 @@ def measure_memory(path: Path, traced: bool) -> dict[str, Any]:
         keeper.apply_payload(headers, payload)
     gc.collect()
     after = tracemalloc.get_traced_memory()[0] if traced else _rss()
-    entries = keeper.index.fleet.entries
-    return {"blocks": entries, "distinct_hashes": keeper.index.fleet.hashes, "history_messages": len(log),
+    entries = keeper.index.store.entries
+    return {"blocks": entries, "distinct_hashes": keeper.index.store.hashes, "history_messages": len(log),
             "method": "tracemalloc" if traced else "rss", "growth_bytes": after - before,
             "bytes_per_block": round((after - before) / entries, 1)}
 

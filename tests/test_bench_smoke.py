@@ -71,12 +71,15 @@ def test_smoke_benchmark_yields_figures_for_every_mode_and_loses_nothing(tmp_pat
 
 
 def test_hot_path_benchmark_measures_both_encodings(tmp_path: Path) -> None:
-    """`python -m bench.hotpath --smoke`: figures for map and array traffic
-    (never how fast: the smoke run's counts are tiny)."""
+    """`python -m bench.hotpath --smoke --keep`: figures for map and array
+    traffic, the snapshot keeper's stage included (never how fast: the smoke
+    run's counts are tiny)."""
     out = tmp_path / "hotpath.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.hotpath", "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.hotpath", "--smoke", "--keep", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
-    cells = json.loads(out.read_text())["cells"]
+    result = json.loads(out.read_text())
+    assert result["stages"] == ["decode", "normalize", "encode", "keep"]
+    cells = result["cells"]
     assert set(cells) == {"this-map", "this-array"}
     assert all(cell["ns_per_event"] > 0 for cell in cells.values())
