@@ -112,7 +112,7 @@ def test_token_count_reads_the_encoded_array(tokens: int) -> None:
 
 @pytest.mark.anyio
 async def test_a_shed_during_an_export_reaches_the_ranks_after_it() -> None:
-    """An export reads the index in a worker thread: the shed leaves it alone
+    """An export reads the index between the loop's turns: the shed leaves it alone
     meanwhile, and the ranks learn of it before anything else is applied."""
     keeper = ResidencyKeeper(WORKER, max_log_bytes=16 * 1024, ranks=(0,))
     bridge = Bridge(keeper)

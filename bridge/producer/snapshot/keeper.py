@@ -117,7 +117,7 @@ class ResidencyKeeper:
         self.sheds = 0
         self.shed_messages = 0
         self._lost = False  # shed while an export ran: the ranks are told at the next catch-up
-        # Exports in progress (worker threads reading the index): nothing is applied meanwhile.
+        # Exports in progress (reading the index between the loop's turns): nothing is applied meanwhile.
         self._exporting = 0
 
     @property
