@@ -467,28 +467,30 @@ class FleetResidency:
         cell = None if tier is None else tier.cells.get(slot)
         return (0, 0, 0) if cell is None else (cell.trusted, cell.suspect, cell.placeholders)
 
-    def copies(self, slot: int, group: int, medium: str, h: BlockHash, layer: str) -> int:
+    def _held_id(self, slot: int, group: int, medium: str, h: BlockHash) -> tuple[Tier, int] | None:
+        """The tier and id of `h` when the slot holds it there, trusted or suspect."""
         tier = self._columns.tiers.get((group, medium))
         if tier is None:
-            return 0
-        if layer == PLACEHOLDER:
-            return tier.placeholders.get((h, slot), 0)
+            return None
         i = self._ids.by_hash.get(h)
         if i is None or not self._sets.has(tier.held[i], slot):
+            return None
+        return tier, i
+
+    def copies(self, slot: int, group: int, medium: str, h: BlockHash, layer: str) -> int:
+        if layer == PLACEHOLDER:
+            tier = self._columns.tiers.get((group, medium))
+            return 0 if tier is None else tier.placeholders.get((h, slot), 0)
+        found = self._held_id(slot, group, medium, h)
+        if found is None:
             return 0
-        t, u = self._state(tier, i, slot)
+        t, u = self._state(found[0], found[1], slot)
         return t if layer == TRUSTED else u
 
     def held(self, slot: int, group: int, medium: str, h: BlockHash) -> int:
         """Trusted and suspect copies of `h` together."""
-        tier = self._columns.tiers.get((group, medium))
-        if tier is None:
-            return 0
-        i = self._ids.by_hash.get(h)
-        if i is None or not self._sets.has(tier.held[i], slot):
-            return 0
-        st = tier.extra.get((i, slot))
-        return 1 if st is None else st[0] + st[1]  # no count kept: one copy, trusted or suspect (`_state`)
+        found = self._held_id(slot, group, medium, h)
+        return 0 if found is None else sum(self._state(found[0], found[1], slot))
 
     def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]:
         tier = self._columns.tiers.get((group, medium))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -38,6 +38,7 @@ from bridge.residency.rank_tables import RankTables
 from bridge.runtime.memory import MemoryReturn
 
 log = structlog.get_logger("bridge.producer.snapshot")
+_T = TypeVar("_T")
 
 # Applied in slices of this long while the bridge is idle, so a batch
 # arriving meanwhile waits no longer than that.
@@ -131,8 +132,7 @@ class ResidencyKeeper:
         partial = self._partial
         if partial is not None:
             self._partial = None
-            for _ in partial:
-                pass
+            _finish(partial)
 
     # -- what the sink hands over -----------------------------------------
 
@@ -235,6 +235,10 @@ class ResidencyKeeper:
         clock = time.perf_counter
         end = clock() + seconds if seconds else 0.0
         every = STEP_EVENTS if seconds else 0
+
+        def spent() -> bool:
+            return bool(end) and (clock() >= end or (busy is not None and busy()))
+
         steps, self._partial = self._partial, None
         while True:
             if steps is None:
@@ -244,12 +248,12 @@ class ResidencyKeeper:
                 self.log_bytes -= size
                 steps = self._apply_steps(decoder, payload, msg_id, ack, None, every)
             for _ in steps:
-                if end and (clock() >= end or (busy is not None and busy())):
+                if spent():
                     self._partial = steps
                     return n
             steps = None
             n += 1
-            if end and (clock() >= end or (busy is not None and busy())):
+            if spent():
                 break
         return n
 
@@ -283,12 +287,7 @@ class ResidencyKeeper:
     def _apply(self, decoder: Any, payload: bytes, msg_id: str, ack: bytes | None,
                origin: Origin | None) -> Refusal | None:
         self.settle()
-        steps = self._apply_steps(decoder, payload, msg_id, ack, origin, 0)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return _finish(self._apply_steps(decoder, payload, msg_id, ack, origin, 0))
 
     def _apply_steps(self, decoder: Any, payload: bytes, msg_id: str, ack: bytes | None,
                      origin: Origin | None, every: int) -> Generator[None, None, Refusal | None]:
@@ -372,6 +371,15 @@ class ResidencyKeeper:
     def mark_applied(self, dp_rank: int, msg_id: str, stream_seq: int) -> None:
         """A rebuild read the rank's history through this stream message."""
         self._through[dp_rank] = _Through(msg_id, seq=stream_seq)
+
+
+def _finish(steps: Generator[None, None, _T]) -> _T:
+    """Runs `steps` to its end; returns what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 async def _in_slices(steps: Generator[None, None, Any]) -> Any:

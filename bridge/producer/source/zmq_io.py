@@ -67,7 +67,6 @@ def drain(sock: zmq.Socket[bytes], limit: int, max_bytes: int = 0) -> list[list[
     return out
 
 
-
 class InputWatch:
     """Whether a message may be waiting on any watched socket, asked without
     touching the sockets: reading a socket's EVENTS consumes the edge its FD
