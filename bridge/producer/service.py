@@ -65,7 +65,8 @@ class Bridge:
             settings.max_buffered_bytes, on_put=self.catalog.observe,
         )
         self.keeper = ResidencyKeeper(settings.worker_id, settings.snapshot_log_bytes,
-                                      ranks=sorted({p.dp_rank for p in stream_plans(settings)})) \
+                                      ranks=sorted({p.dp_rank for p in stream_plans(settings)}),
+                                      relay_busy=self._relay_busy) \
             if settings.snapshots else None
         keeper = self.keeper
         self.sink = NatsSink(settings, self.queue, self.metrics, self.health, on_refused=self._refused,
@@ -107,6 +108,11 @@ class Bridge:
             return
         self._registry = WorkerRegistry(js, s.registry_bucket, ttl_for(s.heartbeat_interval))
         tg.start_soon(self._registry.heartbeat, self.registry_entry, s.heartbeat_interval)
+
+    def _relay_busy(self) -> bool:
+        """Work waits for the relay: a batch queued for NATS, or one in ZMQ.
+        The snapshot keeper's own work goes after it."""
+        return len(self.queue) > 0 or self._input.waiting()
 
     def _gap_batch(self, lost: LostRange) -> OutBatch:
         return self._pipelines[lost.stream].gap_batch(lost)
@@ -274,9 +280,7 @@ class Bridge:
         keeper = self.keeper
         if keeper is None or self.sink.nc is None:
             return
-        # Idle: nothing queued for NATS, and no batch waiting in ZMQ.
-        watch = self._input
-        tg.start_soon(keep_up, keeper, lambda: not len(self.queue) and not watch.waiting(), MemoryReturn())
+        tg.start_soon(keep_up, keeper, MemoryReturn())
         if self._snapshot_writer is not None:
             tg.start_soon(self._snapshot_writer.run)
         service = SnapshotService(keeper, self.settings.subject_prefix, [p.plan.dp_rank for p in self._pipelines],

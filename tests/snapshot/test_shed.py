@@ -189,11 +189,11 @@ async def test_a_big_log_gives_its_memory_back_once_applied() -> None:
     back: once the idle keeper has applied a big log, it is, once."""
     given: list[int] = []
     memory = MemoryReturn(lambda pad: given.append(pad) or 1)
-    keeper = ResidencyKeeper(WORKER, ranks=(0,))
-    bridge = Bridge(keeper)
     busy = True
+    keeper = ResidencyKeeper(WORKER, ranks=(0,), relay_busy=lambda: busy)
+    bridge = Bridge(keeper)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(keep_up, keeper, lambda: not busy, memory, 64 * 1024)
+        tg.start_soon(keep_up, keeper, memory, 64 * 1024)
         i = 0
         while keeper.log_bytes < 64 * 1024:
             bridge.store(0, hi(i))

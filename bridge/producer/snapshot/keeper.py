@@ -43,8 +43,12 @@ _T = TypeVar("_T")
 # Applied in slices of this long while the bridge is idle, so a batch
 # arriving meanwhile waits no longer than that.
 IDLE_SLICE_S = 0.0005
-# How long the idle keeper waits for the relay to be idle again, while work waits.
+# How long the keeper waits for the relay to be idle again, while work waits.
 BUSY_WAIT_S = 0.001
+# Work a snapshot waits for (a catch-up, an export) yields to a busy relay for
+# at most this long at a time, then takes a slice anyway: under a load that
+# never lets up it still ends (or the log is let go, and it ends then).
+YIELD_AT_MOST_S = 0.05
 # A log that held this much, once applied or let go, leaves free memory the C
 # allocator keeps unless asked to give it back (bridge.runtime.memory).
 GIVE_BACK_AFTER = 8 * 1024 * 1024
@@ -79,13 +83,23 @@ class _Through:
         self.seq = seq
 
 
+def _never_busy() -> bool:
+    return False
+
+
 class ResidencyKeeper:
     """`max_log_bytes`: encoded bytes held before they are let go; `ranks`:
-    the bridge's dp ranks (what a shed log may have held)."""
+    the bridge's dp ranks (what a shed log may have held); `relay_busy`: whether
+    the relay has work waiting (a batch in ZMQ, or queued for NATS), which
+    goes before all the keeper's own; `yield_at_most`: how long a catch-up or
+    export waits for the relay at a time before it takes a slice anyway."""
 
-    def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024, ranks: Sequence[int] = (0,)) -> None:
+    def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024, ranks: Sequence[int] = (0,), *,
+                 relay_busy: Callable[[], bool] = _never_busy, yield_at_most: float = YIELD_AT_MOST_S) -> None:
         self.worker = worker
         self._ranks = tuple(ranks)
+        self.relay_busy = relay_busy
+        self._yield_at_most = yield_at_most
         # One worker's few ranks: per-rank tables, not the fleet structure
         # (a store is a dict update per hash, not interning and holder sets).
         self._index = ResidencyIndex(store=RankTables())
@@ -258,17 +272,22 @@ class ResidencyKeeper:
         return n
 
     async def catch_up_all(self) -> None:
-        """Applies what is logged now, a slice at a time between the loop's
-        other work (the slices the idle keeper takes: a bucket write in
-        JetStream mode may find the whole --snapshot-log-bytes waiting, and
-        the relay waits up to a slice per turn); waits out an export in
-        progress."""
+        """Applies what is logged now, a slice at a time, in the relay's idle
+        moments (a bucket write in JetStream mode may find the whole
+        --snapshot-log-bytes waiting; taken at once, every batch meanwhile
+        would wait behind it); waits out an export in progress. A relay that
+        stays busy gets `yield_at_most` at a time, then a slice is taken all
+        the same."""
         target = self.pending
+        wait = _Yield(self.relay_busy, self._yield_at_most)
         while target > 0 and self.pending:
             if self._exporting:
                 await anyio.sleep(0.005)
                 continue
-            target -= self.catch_up(target, seconds=IDLE_SLICE_S)
+            if await wait.for_relay():
+                target -= self.catch_up(target, seconds=IDLE_SLICE_S, busy=self.relay_busy)
+            else:
+                target -= self.catch_up(target, seconds=IDLE_SLICE_S)
             await anyio.sleep(0)
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
@@ -340,9 +359,10 @@ class ResidencyKeeper:
         that the loop reads ZMQ and publishes between them. Not in a worker
         thread: that one holds the GIL but for the loop's turns, each of
         which first waits out the interpreter's 5 ms switch interval, so a
-        batch meanwhile waits several of them. The index is left alone
-        meanwhile: what comes waits in the log. Apply the log first
-        (`catch_up_all`) for the latest."""
+        batch meanwhile waits several of them. Like `catch_up_all`, it runs
+        while the relay is idle. The index is left alone meanwhile: what
+        comes waits in the log. Apply the log first (`catch_up_all`) for the
+        latest."""
         if self._lost and not self._exporting:
             self._mark_lost()
         self._exporting += 1
@@ -353,10 +373,11 @@ class ResidencyKeeper:
                 self.worker, dp_rank, through=through.msg_id if through else "",
                 stream_seq=through.seq if through else 0, now=time.time(),
             )
-            snap: RankSnapshot | None = await _in_slices(steps)
+            wait = _Yield(self.relay_busy, self._yield_at_most)
+            snap: RankSnapshot | None = await _in_slices(steps, wait)
             if snap is None:
                 return None
-            data: bytes = await _in_slices(encode_snapshot_steps(snap))
+            data: bytes = await _in_slices(encode_snapshot_steps(snap), wait)
             return snap, data
         finally:
             self._exporting -= 1
@@ -382,34 +403,57 @@ def _finish(steps: Generator[None, None, _T]) -> _T:
             return done.value  # type: ignore[no-any-return]
 
 
-async def _in_slices(steps: Generator[None, None, Any]) -> Any:
-    """Runs `steps` to its end in slices of about `IDLE_SLICE_S`, letting the
-    loop run between them; returns what it returns."""
+class _Yield:
+    """Waits for the relay to be idle before a slice of the keeper's work,
+    for at most `at_most` seconds at a time."""
+
+    def __init__(self, busy: Callable[[], bool], at_most: float) -> None:
+        self.busy = busy
+        self._at_most = at_most
+
+    async def for_relay(self) -> bool:
+        """True once the relay is idle; False when it stayed busy for
+        `at_most` (the slice then goes ahead regardless)."""
+        busy = self.busy
+        if not busy():
+            return True
+        end = time.monotonic() + self._at_most
+        while busy():
+            if time.monotonic() >= end:
+                return False
+            await anyio.sleep(BUSY_WAIT_S)
+        return True
+
+
+async def _in_slices(steps: Generator[None, None, Any], wait: _Yield) -> Any:
+    """Runs `steps` to its end in slices of about `IDLE_SLICE_S`, each in an
+    idle moment of the relay (`wait`) and ended early when it gets busy,
+    letting the loop run between them; returns what it returns."""
     clock = time.perf_counter
     while True:
+        idle = await wait.for_relay()
+        busy = wait.busy
         end = clock() + IDLE_SLICE_S
         try:
-            while clock() < end:
+            next(steps)
+            while clock() < end and not (idle and busy()):
                 next(steps)
         except StopIteration as done:
             return done.value
         await anyio.sleep(0)
 
 
-async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool], memory: MemoryReturn | None = None,
+async def keep_up(keeper: ResidencyKeeper, memory: MemoryReturn | None = None,
                   give_back_after: int = GIVE_BACK_AFTER) -> None:
-    """Applies the log while the bridge is `idle` (nothing waits to go to
-    NATS), a slice at a time, until cancelled. With `memory`: once a log that
-    held `give_back_after` bytes or more is applied or let go, the free memory
+    """Applies the log while the relay is idle (`keeper.relay_busy`), a slice
+    at a time, until cancelled. With `memory`: once a log that held
+    `give_back_after` bytes or more is applied or let go, the free memory
     goes back to the system (in a worker thread: the loop goes on)."""
-
-    def busy() -> bool:
-        return not idle()
-
+    busy = keeper.relay_busy
     while True:
         await anyio.sleep(0.02)
         if memory is not None and keeper.log_peak >= give_back_after and not keeper.pending \
-                and not keeper.garbage and idle():
+                and not keeper.garbage and not busy():
             peak, keeper.log_peak = keeper.log_peak, 0
             await anyio.to_thread.run_sync(memory.give_back)
             log.debug("memory_given_back", log_peak=peak)
@@ -417,7 +461,7 @@ async def keep_up(keeper: ResidencyKeeper, idle: Callable[[], bool], memory: Mem
         # busy moment: at a steady load the relay is busy often but briefly,
         # and backing off for the whole 20 ms let the log outgrow its bound.
         while (keeper.pending and not keeper.exporting) or keeper.garbage:
-            if not idle():
+            if busy():
                 await anyio.sleep(BUSY_WAIT_S)
             elif keeper.pending and not keeper.exporting:
                 keeper.catch_up(seconds=IDLE_SLICE_S, busy=busy)

@@ -1,0 +1,106 @@
+"""What a snapshot waits for (applying the log, reading and encoding the
+residency) goes after the relay: a batch waiting in ZMQ or queued for NATS
+is sent first. In JetStream mode a bucket write every --snapshot-events
+events finds seconds of log to apply; taken at once, every batch meanwhile
+waited behind it. A relay that never lets up cannot hold a snapshot back
+for ever: after `yield_at_most` the keeper takes a slice all the same."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from bridge.contract.snapshot import encode_snapshot
+from bridge.producer.snapshot.keeper import ResidencyKeeper
+from tests.client.builders import hi
+from tests.snapshot.test_shed import WORKER, Bridge
+
+
+class Relay:
+    """Whether work waits for the relay, and how often the keeper asked."""
+
+    def __init__(self, busy: bool) -> None:
+        self.busy = busy
+        self.asked = 0
+
+    def __call__(self) -> bool:
+        self.asked += 1
+        return self.busy
+
+
+def _logged(relay: Relay, messages: int, yield_at_most: float) -> ResidencyKeeper:
+    keeper = ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0,), relay_busy=relay,
+                             yield_at_most=yield_at_most)
+    bridge = Bridge(keeper)
+    for i in range(0, 3 * messages, 3):
+        bridge.store(0, hi(i), hi(i + 1), hi(i + 2))
+    return keeper
+
+
+@pytest.mark.anyio
+async def test_a_catch_up_for_a_snapshot_waits_while_the_relay_has_work() -> None:
+    relay = Relay(busy=True)
+    keeper = _logged(relay, 2000, yield_at_most=60.0)
+    done = anyio.Event()
+
+    async def catch_up() -> None:
+        await keeper.catch_up_all()
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(catch_up)
+        await anyio.sleep(0.1)
+        assert keeper.pending == 2000 and relay.asked > 1  # it looked, and left the relay its turn
+        relay.busy = False
+        with anyio.fail_after(30):
+            await done.wait()
+    assert keeper.pending == 0 and keeper.applied == {0: 2000}
+
+
+@pytest.mark.anyio
+async def test_a_relay_that_stays_busy_slows_a_catch_up_but_does_not_stop_it() -> None:
+    relay = Relay(busy=True)
+    keeper = _logged(relay, 300, yield_at_most=0.0)
+    with anyio.fail_after(30):
+        await keeper.catch_up_all()
+    assert keeper.pending == 0 and keeper.applied == {0: 300}
+
+
+@pytest.mark.anyio
+async def test_an_export_waits_while_the_relay_has_work_and_gives_the_same_snapshot() -> None:
+    relay = Relay(busy=False)
+    keeper = _logged(relay, 2000, yield_at_most=60.0)
+    keeper.catch_up()
+    relay.busy = True
+    taken: list[object] = []
+
+    async def export() -> None:
+        taken.append(await keeper.export(0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(export)
+        await anyio.sleep(0.1)
+        assert taken == [] and keeper.exporting
+        relay.busy = False
+        with anyio.fail_after(30):
+            while not taken:
+                await anyio.sleep(0.01)
+    exported = taken[0]
+    assert isinstance(exported, tuple)
+    snap, data = exported
+    direct = keeper.snapshot(0)
+    assert direct is not None and data == encode_snapshot(snap)
+    assert len(snap.groups[0].tiers[0].trusted) == 6000
+    assert data == encode_snapshot(msgspec.structs.replace(direct, taken_at=snap.taken_at))
+
+
+@pytest.mark.anyio
+async def test_an_export_under_a_relay_that_stays_busy_ends() -> None:
+    relay = Relay(busy=False)
+    keeper = _logged(relay, 2000, yield_at_most=0.0)
+    keeper.catch_up()
+    relay.busy = True
+    with anyio.fail_after(30):
+        taken = await keeper.export(0)
+    assert taken is not None and len(taken[0].groups[0].tiers[0].trusted) == 6000
