@@ -37,6 +37,11 @@ from bridge.producer.telemetry.metrics import Metrics
 log = structlog.get_logger("bridge.producer.snapshot")
 
 _SLOTS = ("a", "b")
+# A bucket write shares the relay's NATS connection, and the server reads and
+# stores one message of a connection at a time: parts of at most this size,
+# each put in an idle moment of the relay, hold its batches back by one
+# small write at a time, not by a snapshot of megabytes.
+PART_BYTES = 128 * 1024
 
 
 async def open_bucket(js: nats.js.JetStreamContext, bucket: str, *, replicas: int, max_age: float) -> KeyValue:
@@ -60,7 +65,7 @@ class SnapshotWriter:
         self._metrics = metrics
         self._interval = interval
         self._every = every_messages
-        self._max_part = max(1024, max_payload - PART_OVERHEAD)
+        self._max_part = max(1024, min(PART_BYTES, max_payload - PART_OVERHEAD))
         # A snapshot of an unchanged rank is written again after this long,
         # so the bucket's age limit never drops a live rank's.
         self._rewrite_after = rewrite_after
@@ -133,6 +138,7 @@ class SnapshotWriter:
         snap_id = f"{snap.epoch}-{int(snap.taken_at * 1000)}-{rank}"
         parts = split(snap, data, snap_id, self._max_part)
         for part in parts:
+            await self._keeper.after_relay()
             await kv.put(part_key(key, slot, part.part), encode_part(part))
         head = SnapshotHead(v=SNAPSHOT_VERSION, worker=snap.worker, dp_rank=rank, id=snap_id, slot=slot,
                             parts=len(parts), epoch=snap.epoch, stream_seq=snap.stream_seq, taken_at=snap.taken_at,

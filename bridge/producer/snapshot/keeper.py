@@ -290,6 +290,10 @@ class ResidencyKeeper:
                 target -= self.catch_up(target, seconds=IDLE_SLICE_S)
             await anyio.sleep(0)
 
+    async def after_relay(self) -> None:
+        """Returns once the relay is idle, or after `yield_at_most` of it busy."""
+        await _Yield(self.relay_busy, self._yield_at_most).for_relay()
+
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One of the bridge's own messages, applied now (not logged)."""
         self.apply_payload(msg.headers, msg.payload, ack)
