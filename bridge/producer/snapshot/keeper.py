@@ -54,7 +54,7 @@ YIELD_AT_MOST_S = 0.05
 GIVE_BACK_AFTER = 8 * 1024 * 1024
 # Events applied between looks at the clock: a message of hundreds of events
 # is applied in pieces, so that an idle slice overruns by at most this many.
-STEP_EVENTS = 32
+STEP_EVENTS = 8
 # Messages of a let-go log dropped per hand-over, besides two per message
 # handed over: freed faster than the next log fills, so it only shrinks.
 GARBAGE_STEP = 64
