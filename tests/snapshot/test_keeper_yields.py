@@ -7,6 +7,9 @@ for ever: after `yield_at_most` the keeper takes a slice all the same."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import anyio
 import msgspec
 import pytest
@@ -15,6 +18,8 @@ from bridge.contract.snapshot import encode_snapshot
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from tests.client.builders import hi
 from tests.snapshot.test_shed import WORKER, Bridge
+
+_T = TypeVar("_T")
 
 
 class Relay:
@@ -38,23 +43,31 @@ def _logged(relay: Relay, messages: int, yield_at_most: float) -> ResidencyKeepe
     return keeper
 
 
-@pytest.mark.anyio
-async def test_a_catch_up_for_a_snapshot_waits_while_the_relay_has_work() -> None:
-    relay = Relay(busy=True)
-    keeper = _logged(relay, 2000, yield_at_most=60.0)
-    done = anyio.Event()
+async def _held_back(relay: Relay, work: Callable[[], Awaitable[_T]], nothing_yet: Callable[[], bool]) -> _T:
+    """Runs `work` with the relay busy: a while later nothing of it is done
+    (`nothing_yet`); once the relay is idle, it ends."""
+    relay.busy = True
+    done: list[_T] = []
 
-    async def catch_up() -> None:
-        await keeper.catch_up_all()
-        done.set()
+    async def run() -> None:
+        done.append(await work())
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(catch_up)
+        tg.start_soon(run)
         await anyio.sleep(0.1)
-        assert keeper.pending == 2000 and relay.asked > 1  # it looked, and left the relay its turn
+        assert not done and nothing_yet() and relay.asked > 1  # it looked, and left the relay its turn
         relay.busy = False
         with anyio.fail_after(30):
-            await done.wait()
+            while not done:
+                await anyio.sleep(0.01)
+    return done[0]
+
+
+@pytest.mark.anyio
+async def test_a_catch_up_for_a_snapshot_waits_while_the_relay_has_work() -> None:
+    relay = Relay(busy=False)
+    keeper = _logged(relay, 2000, yield_at_most=60.0)
+    await _held_back(relay, keeper.catch_up_all, lambda: keeper.pending == 2000)
     assert keeper.pending == 0 and keeper.applied == {0: 2000}
 
 
@@ -72,22 +85,8 @@ async def test_an_export_waits_while_the_relay_has_work_and_gives_the_same_snaps
     relay = Relay(busy=False)
     keeper = _logged(relay, 2000, yield_at_most=60.0)
     keeper.catch_up()
-    relay.busy = True
-    taken: list[object] = []
-
-    async def export() -> None:
-        taken.append(await keeper.export(0))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(export)
-        await anyio.sleep(0.1)
-        assert taken == [] and keeper.exporting
-        relay.busy = False
-        with anyio.fail_after(30):
-            while not taken:
-                await anyio.sleep(0.01)
-    exported = taken[0]
-    assert isinstance(exported, tuple)
+    exported = await _held_back(relay, lambda: keeper.export(0), lambda: keeper.exporting)
+    assert exported is not None
     snap, data = exported
     direct = keeper.snapshot(0)
     assert direct is not None and data == encode_snapshot(snap)
