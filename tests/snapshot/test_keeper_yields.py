@@ -3,19 +3,21 @@ residency) goes after the relay: a batch waiting in ZMQ or queued for NATS
 is sent first. In JetStream mode a bucket write every --snapshot-events
 events finds seconds of log to apply; taken at once, every batch meanwhile
 waited behind it. A relay that never lets up cannot hold a snapshot back
-for ever: after `yield_at_most` the keeper takes a slice all the same."""
+for ever: after `yield_at_most` the keeper takes a slice all the same. After
+each slice the keeper offers the CPU to other threads (ZMQ's I/O thread
+makes a batch visible to the subscriber)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
 import pytest
 
 from bridge.contract.snapshot import encode_snapshot
-from bridge.producer.snapshot.keeper import ResidencyKeeper
+from bridge.producer.snapshot.keeper import ResidencyKeeper, keep_up
 from tests.client.builders import hi
 from tests.snapshot.test_shed import WORKER, Bridge
 
@@ -103,3 +105,76 @@ async def test_an_export_under_a_relay_that_stays_busy_ends() -> None:
     with anyio.fail_after(30):
         taken = await keeper.export(0)
     assert taken is not None and len(taken[0].groups[0].tiers[0].trusted) == 6000
+
+
+class Turns(ResidencyKeeper):
+    """A keeper that notes its slices ("slice") and the CPU it offers to other
+    threads after them ("cpu"), in order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.turns: list[str] = []
+        super().__init__(*args, give_cpu=lambda: self.turns.append("cpu"), **kwargs)
+
+    def catch_up(self, limit: int = 0, seconds: float = 0.0, busy: Callable[[], bool] | None = None) -> int:
+        self.turns.append("slice")
+        return super().catch_up(limit, seconds, busy)
+
+
+def _turns(messages: int) -> Turns:
+    keeper = Turns(WORKER, max_log_bytes=1 << 30, ranks=(0,), relay_busy=Relay(busy=False))
+    bridge = Bridge(keeper)
+    for i in range(0, 3 * messages, 3):
+        bridge.store(0, hi(i), hi(i + 1), hi(i + 2))
+    return keeper
+
+
+def _offered_between_slices(turns: list[str]) -> bool:
+    """Two slices never follow each other without the CPU offered between them."""
+    return turns.count("slice") > 1 and all(turns[i + 1] == "cpu" for i, t in enumerate(turns) if t == "slice")
+
+
+@pytest.mark.anyio
+async def test_the_idle_keeper_offers_the_cpu_to_other_threads_after_each_slice() -> None:
+    """Back to back, its slices kept ZMQ's I/O thread (the one that makes a
+    batch from vLLM visible to the subscriber) waiting for the CPU."""
+    keeper = _turns(3000)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(keep_up, keeper)
+        with anyio.fail_after(30):
+            while keeper.pending:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert keeper.applied == {0: 3000}
+    assert _offered_between_slices(keeper.turns)
+
+
+@pytest.mark.anyio
+async def test_a_catch_up_for_a_snapshot_offers_the_cpu_after_each_slice() -> None:
+    keeper = _turns(3000)
+    with anyio.fail_after(30):
+        await keeper.catch_up_all()
+    assert keeper.applied == {0: 3000}
+    assert _offered_between_slices(keeper.turns)
+
+
+@pytest.mark.anyio
+async def test_an_export_offers_the_cpu_between_its_slices() -> None:
+    keeper = _turns(3000)
+    keeper.catch_up()
+    keeper.turns.clear()
+    loop_turns = 0
+
+    async def other() -> None:
+        nonlocal loop_turns
+        while True:
+            loop_turns += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        with anyio.fail_after(30):
+            taken = await keeper.export(0)
+        tg.cancel_scope.cancel()
+    assert taken is not None and len(taken[0].groups[0].tiers[0].trusted) == 9000
+    # the export took the loop's turns between its slices, and offered the CPU before each
+    assert loop_turns > 1 and keeper.turns.count("cpu") >= loop_turns - 1

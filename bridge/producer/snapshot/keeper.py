@@ -17,6 +17,7 @@ priority and the log is let go, its ranks' views turned stale and partial
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
@@ -49,6 +50,13 @@ BUSY_WAIT_S = 0.001
 # at most this long at a time, then takes a slice anyway: under a load that
 # never lets up it still ends (or the log is let go, and it ends then).
 YIELD_AT_MOST_S = 0.05
+# After each slice the thread's CPU is offered to the threads woken meanwhile:
+# ZMQ's I/O thread above all, which turns the bytes vLLM sent into the message
+# the subscriber's FD signals (and `relay_busy` sees). Linux's scheduler lets
+# a running thread finish its time slice before a woken one on the same CPU,
+# so back-to-back slices kept a batch unseen for milliseconds. It returns at
+# once when no thread waits.
+_GIVE_CPU: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 # A log that held this much, once applied or let go, leaves free memory the C
 # allocator keeps unless asked to give it back (bridge.runtime.memory).
 GIVE_BACK_AFTER = 8 * 1024 * 1024
@@ -92,13 +100,17 @@ class ResidencyKeeper:
     the bridge's dp ranks (what a shed log may have held); `relay_busy`: whether
     the relay has work waiting (a batch in ZMQ, or queued for NATS), which
     goes before all the keeper's own; `yield_at_most`: how long a catch-up or
-    export waits for the relay at a time before it takes a slice anyway."""
+    export waits for the relay at a time before it takes a slice anyway;
+    `give_cpu`: called after each slice, to let the threads woken meanwhile run
+    (default: `os.sched_yield`)."""
 
     def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024, ranks: Sequence[int] = (0,), *,
-                 relay_busy: Callable[[], bool] = _never_busy, yield_at_most: float = YIELD_AT_MOST_S) -> None:
+                 relay_busy: Callable[[], bool] = _never_busy, yield_at_most: float = YIELD_AT_MOST_S,
+                 give_cpu: Callable[[], None] = _GIVE_CPU) -> None:
         self.worker = worker
         self._ranks = tuple(ranks)
         self.relay_busy = relay_busy
+        self.give_cpu = give_cpu
         self._yield_at_most = yield_at_most
         # One worker's few ranks: per-rank tables, not the fleet structure
         # (a store is a dict update per hash, not interning and holder sets).
@@ -279,7 +291,7 @@ class ResidencyKeeper:
         stays busy gets `yield_at_most` at a time, then a slice is taken all
         the same."""
         target = self.pending
-        wait = _Yield(self.relay_busy, self._yield_at_most)
+        wait = _Yield(self.relay_busy, self._yield_at_most, self.give_cpu)
         while target > 0 and self.pending:
             if self._exporting:
                 await anyio.sleep(0.005)
@@ -288,11 +300,12 @@ class ResidencyKeeper:
                 target -= self.catch_up(target, seconds=IDLE_SLICE_S, busy=self.relay_busy)
             else:
                 target -= self.catch_up(target, seconds=IDLE_SLICE_S)
+            self.give_cpu()
             await anyio.sleep(0)
 
     async def after_relay(self) -> None:
         """Returns once the relay is idle, or after `yield_at_most` of it busy."""
-        await _Yield(self.relay_busy, self._yield_at_most).for_relay()
+        await _Yield(self.relay_busy, self._yield_at_most, self.give_cpu).for_relay()
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One of the bridge's own messages, applied now (not logged)."""
@@ -377,7 +390,7 @@ class ResidencyKeeper:
                 self.worker, dp_rank, through=through.msg_id if through else "",
                 stream_seq=through.seq if through else 0, now=time.time(),
             )
-            wait = _Yield(self.relay_busy, self._yield_at_most)
+            wait = _Yield(self.relay_busy, self._yield_at_most, self.give_cpu)
             snap: RankSnapshot | None = await _in_slices(steps, wait)
             if snap is None:
                 return None
@@ -409,11 +422,12 @@ def _finish(steps: Generator[None, None, _T]) -> _T:
 
 class _Yield:
     """Waits for the relay to be idle before a slice of the keeper's work,
-    for at most `at_most` seconds at a time."""
+    for at most `at_most` seconds at a time; `give_cpu` after each slice."""
 
-    def __init__(self, busy: Callable[[], bool], at_most: float) -> None:
+    def __init__(self, busy: Callable[[], bool], at_most: float, give_cpu: Callable[[], None]) -> None:
         self.busy = busy
         self._at_most = at_most
+        self.give_cpu = give_cpu
 
     async def for_relay(self) -> bool:
         """True once the relay is idle; False when it stayed busy for
@@ -444,6 +458,7 @@ async def _in_slices(steps: Generator[None, None, Any], wait: _Yield) -> Any:
                 next(steps)
         except StopIteration as done:
             return done.value
+        wait.give_cpu()
         await anyio.sleep(0)
 
 
@@ -469,6 +484,7 @@ async def keep_up(keeper: ResidencyKeeper, memory: MemoryReturn | None = None,
                 await anyio.sleep(BUSY_WAIT_S)
             elif keeper.pending and not keeper.exporting:
                 keeper.catch_up(seconds=IDLE_SLICE_S, busy=busy)
+                keeper.give_cpu()
                 await anyio.sleep(0)
             else:
                 keeper.free(GARBAGE_STEP * 16)
