@@ -188,7 +188,12 @@ async def test_a_big_log_gives_its_memory_back_once_applied() -> None:
     """The free memory a burst leaves stays in the process unless given
     back: once the idle keeper has applied a big log, it is, once."""
     given: list[int] = []
-    memory = MemoryReturn(lambda pad: given.append(pad) or 1)
+
+    def trim(pad: int) -> int:
+        given.append(pad)
+        return 1
+
+    memory = MemoryReturn(trim)
     busy = True
     keeper = ResidencyKeeper(WORKER, ranks=(0,), relay_busy=lambda: busy)
     bridge = Bridge(keeper)
