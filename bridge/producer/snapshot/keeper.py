@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -52,10 +52,10 @@ BUSY_WAIT_S = 0.001
 YIELD_AT_MOST_S = 0.05
 # After each slice the thread's CPU is offered to the threads woken meanwhile:
 # ZMQ's I/O thread above all, which turns the bytes vLLM sent into the message
-# the subscriber's FD signals (and `relay_busy` sees). Linux's scheduler lets
-# a running thread finish its time slice before a woken one on the same CPU,
-# so back-to-back slices kept a batch unseen for milliseconds. It returns at
-# once when no thread waits.
+# the subscriber's FD signals (and `relay_busy` sees). Linux's scheduler may
+# let a running thread finish its time slice before a woken one on the same
+# CPU: back-to-back slices kept a batch unseen for milliseconds. It returns
+# at once when no thread waits.
 _GIVE_CPU: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 # A log that held this much, once applied or let go, leaves free memory the C
 # allocator keeps unless asked to give it back (bridge.runtime.memory).
@@ -291,7 +291,7 @@ class ResidencyKeeper:
         stays busy gets `yield_at_most` at a time, then a slice is taken all
         the same."""
         target = self.pending
-        wait = _Yield(self.relay_busy, self._yield_at_most, self.give_cpu)
+        wait = _Yield(self.relay_busy, self._yield_at_most)
         while target > 0 and self.pending:
             if self._exporting:
                 await anyio.sleep(0.005)
@@ -300,12 +300,17 @@ class ResidencyKeeper:
                 target -= self.catch_up(target, seconds=IDLE_SLICE_S, busy=self.relay_busy)
             else:
                 target -= self.catch_up(target, seconds=IDLE_SLICE_S)
-            self.give_cpu()
-            await anyio.sleep(0)
+            await self.after_slice()
 
     async def after_relay(self) -> None:
         """Returns once the relay is idle, or after `yield_at_most` of it busy."""
-        await _Yield(self.relay_busy, self._yield_at_most, self.give_cpu).for_relay()
+        await _Yield(self.relay_busy, self._yield_at_most).for_relay()
+
+    async def after_slice(self) -> None:
+        """Between two slices of the keeper's work: the CPU to the threads
+        woken meanwhile (`give_cpu`), then the loop's turn to the relay."""
+        self.give_cpu()
+        await anyio.sleep(0)
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One of the bridge's own messages, applied now (not logged)."""
@@ -390,11 +395,11 @@ class ResidencyKeeper:
                 self.worker, dp_rank, through=through.msg_id if through else "",
                 stream_seq=through.seq if through else 0, now=time.time(),
             )
-            wait = _Yield(self.relay_busy, self._yield_at_most, self.give_cpu)
-            snap: RankSnapshot | None = await _in_slices(steps, wait)
+            wait = _Yield(self.relay_busy, self._yield_at_most)
+            snap: RankSnapshot | None = await _in_slices(steps, wait, self.after_slice)
             if snap is None:
                 return None
-            data: bytes = await _in_slices(encode_snapshot_steps(snap), wait)
+            data: bytes = await _in_slices(encode_snapshot_steps(snap), wait, self.after_slice)
             return snap, data
         finally:
             self._exporting -= 1
@@ -422,12 +427,11 @@ def _finish(steps: Generator[None, None, _T]) -> _T:
 
 class _Yield:
     """Waits for the relay to be idle before a slice of the keeper's work,
-    for at most `at_most` seconds at a time; `give_cpu` after each slice."""
+    for at most `at_most` seconds at a time."""
 
-    def __init__(self, busy: Callable[[], bool], at_most: float, give_cpu: Callable[[], None]) -> None:
+    def __init__(self, busy: Callable[[], bool], at_most: float) -> None:
         self.busy = busy
         self._at_most = at_most
-        self.give_cpu = give_cpu
 
     async def for_relay(self) -> bool:
         """True once the relay is idle; False when it stayed busy for
@@ -443,10 +447,11 @@ class _Yield:
         return True
 
 
-async def _in_slices(steps: Generator[None, None, Any], wait: _Yield) -> Any:
+async def _in_slices(steps: Generator[None, None, Any], wait: _Yield,
+                     after_slice: Callable[[], Awaitable[None]]) -> Any:
     """Runs `steps` to its end in slices of about `IDLE_SLICE_S`, each in an
     idle moment of the relay (`wait`) and ended early when it gets busy,
-    letting the loop run between them; returns what it returns."""
+    `after_slice` between them; returns what it returns."""
     clock = time.perf_counter
     while True:
         idle = await wait.for_relay()
@@ -458,8 +463,7 @@ async def _in_slices(steps: Generator[None, None, Any], wait: _Yield) -> Any:
                 next(steps)
         except StopIteration as done:
             return done.value
-        wait.give_cpu()
-        await anyio.sleep(0)
+        await after_slice()
 
 
 async def keep_up(keeper: ResidencyKeeper, memory: MemoryReturn | None = None,
@@ -484,8 +488,7 @@ async def keep_up(keeper: ResidencyKeeper, memory: MemoryReturn | None = None,
                 await anyio.sleep(BUSY_WAIT_S)
             elif keeper.pending and not keeper.exporting:
                 keeper.catch_up(seconds=IDLE_SLICE_S, busy=busy)
-                keeper.give_cpu()
-                await anyio.sleep(0)
+                await keeper.after_slice()
             else:
                 keeper.free(GARBAGE_STEP * 16)
                 await anyio.sleep(0)
