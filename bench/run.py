@@ -356,6 +356,7 @@ class Runner:
         server_pid = self.server.proc.pid if self.server is not None and self.server.proc is not None else None
         stored0 = await stored_messages(self.server.url) if self.stores else 0
         waited0 = await self._window_wait_s()
+        shed0 = await self._shed_messages()
         cpu0 = cpu_seconds(self.consumer.pid)
         server0 = cpu_seconds(server_pid) if server_pid else 0.0
         self0 = own_cpu_seconds()
@@ -384,6 +385,7 @@ class Runner:
         if self.mode == "jetstream":
             await self.acks_in()
         waited1 = await self._window_wait_s()
+        shed1 = await self._shed_messages()
         stored = None
         if self.stores and self.counter is not None:
             # Every message delivered is also in the stream: a relay whose
@@ -396,6 +398,8 @@ class Runner:
             "stored_messages": stored,
             # Seconds kv-bridge held publishing back for the stream's acks (its window was full).
             "js_window_wait_s": None if waited0 is None or waited1 is None else round(waited1 - waited0, 3),
+            # Messages the bridge's residency (snapshots) let go unapplied: it fell behind.
+            "residency_shed_messages": None if shed0 is None or shed1 is None else round(shed1 - shed0),
             "events_per_s": round(events / seconds), "cpu_s": round(cpu1 - cpu0, 3),
             "cpu_s_per_m_events": round((cpu1 - cpu0) / events * 1e6, 2),
             "nats_server_cpu_s": round(server1 - server0, 3), "counter_cpu_s": round(self1 - self0, 3),
@@ -408,6 +412,12 @@ class Runner:
         if self.mode != "jetstream":
             return None
         return await scrape(self.http_port, "kvbridge_js_window_wait_seconds_total")
+
+    async def _shed_messages(self) -> float | None:
+        """The bridge's residency's messages let go so far (None: no residency, or not a bridge)."""
+        if not self.is_bridge:
+            return None
+        return await scrape(self.http_port, "kvbridge_residency_shed_messages_total")
 
     @property
     def stores(self) -> bool:
@@ -787,7 +797,10 @@ async def measure(plan: Plan) -> dict[str, Any]:
                         lat = sample["latency"] or {}
                         say(f"  latency rep {rep + 1}/{plan.latency_repeats} @{plan.latency_rate:,.0f} ev/s B={size:<3} "
                             f"{r.name:<9} p50 {lat.get('p50_ms')} ms  p99 {lat.get('p99_ms')} ms  "
-                            f"peak rss {sample.get('peak_rss_mb')} MB{'' if sample['ok'] else '  NOT OK'}")
+                            f"peak rss {sample.get('peak_rss_mb')} MB"
+                            + (f"  residency shed {sample['residency_shed_messages']:,} messages"
+                               if sample.get("residency_shed_messages") else "")
+                            + ("" if sample["ok"] else "  NOT OK"))
         finally:
             stopped = await asyncio.gather(*(r.stop() for r in runners))
             results["processes_at_fixed_load"] = {r.name: info for r, info in zip(runners, stopped)}
@@ -872,6 +885,8 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
                 "latency_offered_events_per_s": median([s["offered_events_per_s"] for s in lats]),
                 "cpu_s_per_m_events_at_latency_load": median([s["cpu_s_per_m_events"] for s in lats]),
                 "peak_rss_mb_at_latency_load": max((s["peak_rss_mb"] for s in lats), default=None),
+                "residency_shed_messages_at_latency_load": sum(
+                    s["residency_shed_messages"] for s in lats if s.get("residency_shed_messages") is not None),
             }
         table[mode]["peak_rss_mb"] = results["processes"].get(mode, {}).get("peak_rss_mb")
 
@@ -1002,6 +1017,11 @@ def render(summary: dict[str, Any], results: dict[str, Any], plan: Plan) -> str:
         lines.append("")
     lines.append("peak RSS MiB over the whole run (throughput bursts queue in ZMQ and the bridge): " + ", ".join(
         f"{m} {summary['table'][m]['peak_rss_mb']}" for m in names))
+    shed = [f"{m} B={size} {row['residency_shed_messages_at_latency_load']:,}"
+            for m in names for size, row in summary["table"][m].items()
+            if isinstance(row, dict) and row.get("residency_shed_messages_at_latency_load")]
+    lines.append("messages the residency let go at the fixed load (it fell behind; snapshots turn partial): "
+                 + (", ".join(shed) if shed else "none"))
     if "overload" in results:
         o = results["overload"]
         lines.append(

@@ -56,6 +56,8 @@ def test_smoke_benchmark_yields_figures_for_every_mode_and_loses_nothing(tmp_pat
     assert len(bridge_runs) == 2 * 2 * len(SIZES)
     for run in bridge_runs:
         assert run["delivered"] == run["expected"] > 0 and run["gap_records"] == 0, run
+        # what the bridge's residency let go is read from its /metrics, for every run
+        assert isinstance(run["residency_shed_messages"], int) and run["residency_shed_messages"] >= 0, run
 
     overload = results["overload"]
     assert overload["batches_published"] > 0 and overload["rss_samples"]

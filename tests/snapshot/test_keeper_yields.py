@@ -3,9 +3,10 @@ residency) goes after the relay: a batch waiting in ZMQ or queued for NATS
 is sent first. In JetStream mode a bucket write every --snapshot-events
 events finds seconds of log to apply; taken at once, every batch meanwhile
 waited behind it. A relay that never lets up cannot hold a snapshot back
-for ever: after `yield_at_most` the keeper takes a slice all the same. After
-each slice the keeper offers the CPU to other threads (ZMQ's I/O thread
-makes a batch visible to the subscriber)."""
+for ever: after `yield_at_most` the keeper takes a slice all the same. While
+the relay is busy, the keeper waits for the sink's next write, not a fixed
+while. After each slice the keeper offers the CPU to other threads (ZMQ's
+I/O thread makes a batch visible to the subscriber)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,51 @@ async def test_an_export_under_a_relay_that_stays_busy_ends() -> None:
     with anyio.fail_after(30):
         taken = await keeper.export(0)
     assert taken is not None and len(taken[0].groups[0].tiers[0].trusted) == 6000
+
+
+async def _woken_by_a_write(relay: Relay, keeper: ResidencyKeeper, work: Callable[[], Awaitable[None]]) -> None:
+    """Runs `work` with the relay busy and the keeper's own back-off longer
+    than the test: once the relay is idle, only the sink's next write can
+    wake it in time to apply what waited."""
+    relay.busy = True
+    waiting = keeper.pending
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(work)
+        await anyio.sleep(0.1)
+        assert keeper.pending == waiting and relay.asked > 0
+        relay.busy = False
+        Bridge(keeper).store(1, hi(10**6))  # the sink hands over a write
+        with anyio.fail_after(20):
+            while keeper.applied.get(0, 0) < waiting:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert keeper.applied[0] == waiting
+
+
+def _waiting_for_writes(relay: Relay, messages: int) -> ResidencyKeeper:
+    keeper = ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0, 1), relay_busy=relay,
+                             yield_at_most=600.0, busy_wait=600.0)
+    bridge = Bridge(keeper)
+    for i in range(0, 3 * messages, 3):
+        bridge.store(0, hi(i), hi(i + 1), hi(i + 2))
+    return keeper
+
+
+@pytest.mark.anyio
+async def test_the_idle_keeper_applies_once_the_relay_has_written_not_after_a_fixed_back_off() -> None:
+    """At a steady load the relay is busy for a moment per batch; a keeper
+    that slept a fixed while after each busy look slept through the idle
+    time between batches, and its log outgrew its bound."""
+    relay = Relay(busy=False)
+    keeper = _waiting_for_writes(relay, 500)
+    await _woken_by_a_write(relay, keeper, lambda: keep_up(keeper))
+
+
+@pytest.mark.anyio
+async def test_a_catch_up_for_a_snapshot_goes_on_once_the_relay_has_written() -> None:
+    relay = Relay(busy=False)
+    keeper = _waiting_for_writes(relay, 500)
+    await _woken_by_a_write(relay, keeper, keeper.catch_up_all)
 
 
 class Turns(ResidencyKeeper):

@@ -44,7 +44,9 @@ _T = TypeVar("_T")
 # Applied in slices of this long while the bridge is idle, so a batch
 # arriving meanwhile waits no longer than that.
 IDLE_SLICE_S = 0.0005
-# How long the keeper waits for the relay to be idle again, while work waits.
+# While work waits and the relay is busy, the keeper looks again when the
+# sink hands over its next write (the moment the relay may have gone idle),
+# or after this long: a batch waiting in ZMQ is not a write yet.
 BUSY_WAIT_S = 0.001
 # Work a snapshot waits for (a catch-up, an export) yields to a busy relay for
 # at most this long at a time, then takes a slice anyway: under a load that
@@ -102,16 +104,18 @@ class ResidencyKeeper:
     goes before all the keeper's own; `yield_at_most`: how long a catch-up or
     export waits for the relay at a time before it takes a slice anyway;
     `give_cpu`: called after each slice, to let the threads woken meanwhile run
-    (default: `os.sched_yield`)."""
+    (default: `os.sched_yield`); `busy_wait`: how long work waiting for a busy
+    relay sleeps when no write of the sink wakes it first."""
 
     def __init__(self, worker: str, max_log_bytes: int = 32 * 1024 * 1024, ranks: Sequence[int] = (0,), *,
                  relay_busy: Callable[[], bool] = _never_busy, yield_at_most: float = YIELD_AT_MOST_S,
-                 give_cpu: Callable[[], None] = _GIVE_CPU) -> None:
+                 give_cpu: Callable[[], None] = _GIVE_CPU, busy_wait: float = BUSY_WAIT_S) -> None:
         self.worker = worker
         self._ranks = tuple(ranks)
         self.relay_busy = relay_busy
         self.give_cpu = give_cpu
         self._yield_at_most = yield_at_most
+        self._busy_wait = busy_wait
         # One worker's few ranks: per-rank tables, not the fleet structure
         # (a store is a dict update per hash, not interning and holder sets).
         self._index = ResidencyIndex(store=RankTables())
@@ -146,6 +150,9 @@ class ResidencyKeeper:
         self._lost = False  # shed while an export ran: the ranks are told at the next catch-up
         # Exports in progress (reading the index between the loop's turns): nothing is applied meanwhile.
         self._exporting = 0
+        # Set, and dropped, when the sink hands over a write: what waits for
+        # the relay wakes then instead of sleeping through its idle moment.
+        self._wrote: anyio.Event | None = None
 
     @property
     def index(self) -> ResidencyIndex:
@@ -172,6 +179,7 @@ class ResidencyKeeper:
             added += logged[4]
         self.log_bytes += added
         self._logged(len(messages))
+        self._relay_wrote()
 
     def stored(self, msg: Outgoing, ack: bytes) -> None:
         """A message the stream stored (JetStream mode), with its ack, in
@@ -180,6 +188,21 @@ class ResidencyKeeper:
         self._log.append(logged)
         self.log_bytes += logged[4]
         self._logged(1)
+        self._relay_wrote()
+
+    def _relay_wrote(self) -> None:
+        wrote = self._wrote
+        if wrote is not None:
+            self._wrote = None
+            wrote.set()
+
+    async def relay_wrote(self) -> None:
+        """Returns once the sink hands over its next write, or after `busy_wait`."""
+        wrote = self._wrote
+        if wrote is None:
+            wrote = self._wrote = anyio.Event()
+        with anyio.move_on_after(self._busy_wait):
+            await wrote.wait()
 
     def _entry(self, msg: Outgoing, ack: bytes | None) -> _Entry:
         headers = msg.headers
@@ -291,7 +314,7 @@ class ResidencyKeeper:
         stays busy gets `yield_at_most` at a time, then a slice is taken all
         the same."""
         target = self.pending
-        wait = _Yield(self.relay_busy, self._yield_at_most)
+        wait = _Yield(self.relay_busy, self._yield_at_most, self.relay_wrote)
         while target > 0 and self.pending:
             if self._exporting:
                 await anyio.sleep(0.005)
@@ -304,7 +327,7 @@ class ResidencyKeeper:
 
     async def after_relay(self) -> None:
         """Returns once the relay is idle, or after `yield_at_most` of it busy."""
-        await _Yield(self.relay_busy, self._yield_at_most).for_relay()
+        await _Yield(self.relay_busy, self._yield_at_most, self.relay_wrote).for_relay()
 
     async def after_slice(self) -> None:
         """Between two slices of the keeper's work: the CPU to the threads
@@ -395,7 +418,7 @@ class ResidencyKeeper:
                 self.worker, dp_rank, through=through.msg_id if through else "",
                 stream_seq=through.seq if through else 0, now=time.time(),
             )
-            wait = _Yield(self.relay_busy, self._yield_at_most)
+            wait = _Yield(self.relay_busy, self._yield_at_most, self.relay_wrote)
             snap: RankSnapshot | None = await _in_slices(steps, wait, self.after_slice)
             if snap is None:
                 return None
@@ -427,11 +450,13 @@ def _finish(steps: Generator[None, None, _T]) -> _T:
 
 class _Yield:
     """Waits for the relay to be idle before a slice of the keeper's work,
-    for at most `at_most` seconds at a time."""
+    for at most `at_most` seconds at a time, looking again each time
+    `wrote` returns (the relay's next write, or a short while)."""
 
-    def __init__(self, busy: Callable[[], bool], at_most: float) -> None:
+    def __init__(self, busy: Callable[[], bool], at_most: float, wrote: Callable[[], Awaitable[None]]) -> None:
         self.busy = busy
         self._at_most = at_most
+        self._wrote = wrote
 
     async def for_relay(self) -> bool:
         """True once the relay is idle; False when it stayed busy for
@@ -443,7 +468,7 @@ class _Yield:
         while busy():
             if time.monotonic() >= end:
                 return False
-            await anyio.sleep(BUSY_WAIT_S)
+            await self._wrote()
         return True
 
 
@@ -480,12 +505,13 @@ async def keep_up(keeper: ResidencyKeeper, memory: MemoryReturn | None = None,
             peak, keeper.log_peak = keeper.log_peak, 0
             await anyio.to_thread.run_sync(memory.give_back)
             log.debug("memory_given_back", log_peak=peak)
-        # While work waits, the keeper looks again within a millisecond of a
-        # busy moment: at a steady load the relay is busy often but briefly,
-        # and backing off for the whole 20 ms let the log outgrow its bound.
+        # While work waits, the keeper looks again as soon as the relay's
+        # write is out: at a steady load the relay is busy often but briefly,
+        # and a fixed back-off slept through the idle moments between batches
+        # (its log outgrew its bound).
         while (keeper.pending and not keeper.exporting) or keeper.garbage:
             if busy():
-                await anyio.sleep(BUSY_WAIT_S)
+                await keeper.relay_wrote()
             elif keeper.pending and not keeper.exporting:
                 keeper.catch_up(seconds=IDLE_SLICE_S, busy=busy)
                 await keeper.after_slice()
