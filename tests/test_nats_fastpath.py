@@ -21,14 +21,13 @@ from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.config import Settings
 from bridge.producer.service import Bridge
 from bridge.producer.sink.nats_fastpath import (
-    PINNED_NATS_PY,
     FastPath,
     PublicPath,
     fastpath_problem,
-    installed_nats_py,
     missing_internals,
     select_path,
 )
+from bridge.runtime.nats_py import PINNED_NATS_PY, installed_nats_py
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, metric, wait_published
 

@@ -34,7 +34,7 @@ from bridge.contract.snapshot import RankSnapshot
 from bridge.contract.subjects import parse_worker_token
 from bridge.residency.views import WorkerKey
 from bridge.runtime.access import NatsAccess
-from bridge.runtime.inbox_service import InboxOnlyService, reply_of, to_inbox
+from bridge.runtime.inbox_service import InboxOnlyService, UnguardedDiscovery, reply_of, to_inbox
 from bridge.runtime.stopping import close_quietly
 
 log = structlog.get_logger("bridge.apps.fleet")
@@ -344,7 +344,11 @@ class ObserveService:
                             while not self.bootstrapped() and not self._fed:
                                 await anyio.sleep(_OPEN_POLL_S)
                             if opts.serve_nats:
-                                await self._serve_nats(nc)
+                                try:
+                                    await self._serve_nats(nc)
+                                except UnguardedDiscovery as exc:  # HTTP still answers
+                                    self.micro = None
+                                    log.error("nats_service_unavailable", reason=str(exc))
                             self.ready.set()
                             task_status.started(self.http_port)
                             log.info("observe_ready", http_port=self.http_port, subject=subject,

@@ -21,7 +21,6 @@ failed write; JetStream's de-duplication absorbs the repeats.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 from collections.abc import Callable
 from typing import Final, Protocol
 
@@ -35,12 +34,10 @@ from nats.protocol.parser import AWAITING_CONTROL_LINE, Parser
 
 from bridge.producer.sink.acks import take_acks
 from bridge.producer.sink.encode import Outgoing, hpub_frames
+from bridge.runtime.nats_py import PINNED_NATS_PY, installed_nats_py
 
 log = structlog.get_logger("bridge.nats")
 
-# The nats-py release whose internals the fast path reads; requirements/ci.txt
-# and the image install it, and its tests run against it.
-PINNED_NATS_PY: Final = "2.16.0"
 
 # Past this much unsent on the socket, fast-path writes go through nats-py's
 # pending buffer and its flusher, which waits for the socket to drain.
@@ -292,13 +289,6 @@ class PublicPath:
 
 
 # -- choosing --------------------------------------------------------------
-
-
-def installed_nats_py() -> str:
-    try:
-        return importlib.metadata.version("nats-py")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def missing_internals(client_type: type = NatsClient, transport_type: type = TcpTransport,
