@@ -314,7 +314,7 @@ class ResidencyKeeper:
         stays busy gets `yield_at_most` at a time, then a slice is taken all
         the same."""
         target = self.pending
-        wait = _Yield(self.relay_busy, self._yield_at_most, self.relay_wrote)
+        wait = self._relay_wait()
         while target > 0 and self.pending:
             if self._exporting:
                 await anyio.sleep(0.005)
@@ -325,9 +325,13 @@ class ResidencyKeeper:
                 target -= self.catch_up(target, seconds=IDLE_SLICE_S)
             await self.after_slice()
 
+    def _relay_wait(self) -> _Yield:
+        """What a catch-up, an export or a bucket write waits on before each slice."""
+        return _Yield(self.relay_busy, self._yield_at_most, self.relay_wrote)
+
     async def after_relay(self) -> None:
         """Returns once the relay is idle, or after `yield_at_most` of it busy."""
-        await _Yield(self.relay_busy, self._yield_at_most, self.relay_wrote).for_relay()
+        await self._relay_wait().for_relay()
 
     async def after_slice(self) -> None:
         """Between two slices of the keeper's work: the CPU to the threads
@@ -418,7 +422,7 @@ class ResidencyKeeper:
                 self.worker, dp_rank, through=through.msg_id if through else "",
                 stream_seq=through.seq if through else 0, now=time.time(),
             )
-            wait = _Yield(self.relay_busy, self._yield_at_most, self.relay_wrote)
+            wait = self._relay_wait()
             snap: RankSnapshot | None = await _in_slices(steps, wait, self.after_slice)
             if snap is None:
                 return None
