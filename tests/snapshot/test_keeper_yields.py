@@ -10,7 +10,7 @@ I/O thread makes a batch visible to the subscriber)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio
@@ -37,13 +37,20 @@ class Relay:
         return self.busy
 
 
-def _logged(relay: Relay, messages: int, yield_at_most: float) -> ResidencyKeeper:
-    keeper = ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0,), relay_busy=relay,
-                             yield_at_most=yield_at_most)
+_K = TypeVar("_K", bound=ResidencyKeeper)
+
+
+def _filled(keeper: _K, messages: int) -> _K:
+    """`keeper` with `messages` stores of three hashes each logged for rank 0."""
     bridge = Bridge(keeper)
     for i in range(0, 3 * messages, 3):
         bridge.store(0, hi(i), hi(i + 1), hi(i + 2))
     return keeper
+
+
+def _logged(relay: Relay, messages: int, yield_at_most: float) -> ResidencyKeeper:
+    return _filled(ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0,), relay_busy=relay,
+                                   yield_at_most=yield_at_most), messages)
 
 
 async def _held_back(relay: Relay, work: Callable[[], Awaitable[_T]], nothing_yet: Callable[[], bool]) -> _T:
@@ -108,7 +115,8 @@ async def test_an_export_under_a_relay_that_stays_busy_ends() -> None:
     assert taken is not None and len(taken[0].groups[0].tiers[0].trusted) == 6000
 
 
-async def _woken_by_a_write(relay: Relay, keeper: ResidencyKeeper, work: Callable[[], Awaitable[None]]) -> None:
+async def _woken_by_a_write(relay: Relay, keeper: ResidencyKeeper,
+                            work: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Runs `work` with the relay busy and the keeper's own back-off longer
     than the test: once the relay is idle, only the sink's next write can
     wake it in time to apply what waited."""
@@ -128,12 +136,8 @@ async def _woken_by_a_write(relay: Relay, keeper: ResidencyKeeper, work: Callabl
 
 
 def _waiting_for_writes(relay: Relay, messages: int) -> ResidencyKeeper:
-    keeper = ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0, 1), relay_busy=relay,
-                             yield_at_most=600.0, busy_wait=600.0)
-    bridge = Bridge(keeper)
-    for i in range(0, 3 * messages, 3):
-        bridge.store(0, hi(i), hi(i + 1), hi(i + 2))
-    return keeper
+    return _filled(ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0, 1), relay_busy=relay,
+                                   yield_at_most=600.0, busy_wait=600.0), messages)
 
 
 @pytest.mark.anyio
@@ -167,11 +171,7 @@ class Turns(ResidencyKeeper):
 
 
 def _turns(messages: int) -> Turns:
-    keeper = Turns(WORKER, max_log_bytes=1 << 30, ranks=(0,), relay_busy=Relay(busy=False))
-    bridge = Bridge(keeper)
-    for i in range(0, 3 * messages, 3):
-        bridge.store(0, hi(i), hi(i + 1), hi(i + 2))
-    return keeper
+    return _filled(Turns(WORKER, max_log_bytes=1 << 30, ranks=(0,), relay_busy=Relay(busy=False)), messages)
 
 
 def _offered_between_slices(turns: list[str]) -> bool:
