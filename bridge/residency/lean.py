@@ -15,7 +15,7 @@ from typing import Union
 
 import msgspec
 
-from bridge.contract.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from bridge.contract.events import BlockHash, BlockRemoved, BlockStored
 from bridge.contract.messages import GroupHead
 
 _EMPTY = msgspec.Raw()
@@ -34,9 +34,11 @@ class LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
 
 
 class ResidencyMessage(GroupHead):
-    """A `GroupMessage` with the fields residency reads."""
+    """A `GroupMessage` with the fields residency reads; its events are the
+    contract's group events (`GroupEvent`): a clear splits a batch, it is
+    never an event of a group message, and a payload with one is refused."""
 
-    events: list[Union[LeanStored, BlockRemoved, AllBlocksCleared]]
+    events: list[Union[LeanStored, BlockRemoved]]
     topic: str = ""
     part: int = 0
     chunk: int = 0

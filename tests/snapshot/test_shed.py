@@ -12,14 +12,15 @@ import anyio
 import msgspec
 import pytest
 
-from bridge.contract import BlockStored
+from bridge.contract import HDR_FORMAT, AllBlocksCleared, BlockStored
+from bridge.contract.identity import Origin
 from bridge.contract.msgid import stream_base
 from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.snapshot.keeper import GARBAGE_STEP, ResidencyKeeper, keep_up
 from bridge.residency.lean import LeanStored, token_count
 from bridge.runtime.memory import MemoryReturn
-from tests.client.builders import hi, msg, record, stored
+from tests.client.builders import ATTN, hi, msg, record, stored
 
 WORKER = "pod-s"
 EPOCH = 7
@@ -108,6 +109,48 @@ def test_token_count_reads_the_encoded_array(tokens: int) -> None:
     lean = msgspec.msgpack.decode(msgspec.msgpack.encode(full), type=LeanStored)
     assert token_count(lean) == token_count(full) == tokens
     assert token_count(LeanStored(block_hashes=[1])) == 0  # not sent at all
+
+
+def _with_a_clear(rank: int, seq: int, h: int) -> bytes:
+    """A group payload with a clear among its events, which the contract's group events never hold."""
+    bad = msgspec.to_builtins(msg([stored([h])], worker=WORKER, rank=rank, epoch=EPOCH, seq=seq))
+    bad["events"].append(msgspec.to_builtins(AllBlocksCleared()))
+    return msgspec.msgpack.encode(bad)
+
+
+def test_a_payload_the_keeper_cannot_read_leaves_its_ranks_flagged_not_raised() -> None:
+    """A group payload that is not the contract's is counted as undecodable,
+    as the full decoder would count it; what it said is missing from the
+    view, which turns partial, and the messages around it still apply."""
+    keeper = ResidencyKeeper(WORKER, ranks=(0, 1))
+    bridge = Bridge(keeper)
+    bridge.store(0, hi(1))
+    bridge.store(1, hi(1))
+    keeper.catch_up()
+    assert keeper.apply_payload({HDR_FORMAT: "msgpack"}, _with_a_clear(0, 2, hi(2))) is None
+    assert keeper.undecodable == 1
+    bridge.seq[0] = 2
+    bridge.store(0, hi(3))
+    keeper.catch_up()
+    view = keeper.index.view(WORKER, 0)
+    assert view is not None and view.partial
+    held = view.groups[ATTN].held
+    assert held("GPU", hi(1)) == held("GPU", hi(3)) == 1
+    assert held("GPU", hi(2)) == 0
+    # The bridge's own message names no rank it can read: every rank says so.
+    assert keeper.index.view(WORKER, 1).partial  # type: ignore[union-attr]
+
+
+def test_a_payload_read_back_undecodable_flags_the_rank_its_subject_names() -> None:
+    keeper = ResidencyKeeper(WORKER, ranks=(0, 1))
+    bridge = Bridge(keeper)
+    bridge.store(0, hi(1))
+    bridge.store(1, hi(1))
+    keeper.catch_up()
+    payload = _with_a_clear(1, 2, hi(2))
+    assert keeper.apply_payload({HDR_FORMAT: "msgpack"}, payload, origin=Origin(WORKER, 1, ATTN)) is None
+    assert keeper.index.view(WORKER, 1).partial  # type: ignore[union-attr]
+    assert not keeper.index.view(WORKER, 0).partial  # type: ignore[union-attr]
 
 
 @pytest.mark.anyio

@@ -362,8 +362,8 @@ class ResidencyKeeper:
         """`_apply` as steps, a pause after every `every` events (0: none)."""
         try:
             body = decoder.decode(payload)  # type: ignore[union-attr]
-        except (AttributeError, msgspec.DecodeError, msgspec.ValidationError):
-            self.undecodable += 1
+        except (AttributeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._undecodable(origin, exc)
             return None
         kind = type(body)
         if origin is not None:
@@ -386,6 +386,18 @@ class ResidencyKeeper:
         events = 1 if kind is WorkerRecord else len(body.events)
         self.applied[rank] = self.applied.get(rank, 0) + events
         return None
+
+    def _undecodable(self, origin: Origin | None, exc: Exception) -> None:
+        """A message the keeper cannot read: whatever it stored or removed is
+        missing from its rank's view (read back from the stream, the rank its
+        subject names; else every rank), which is partial from now on."""
+        self.undecodable += 1
+        ranks = self._ranks if origin is None else (origin.dp_rank,)
+        if self.undecodable == 1:
+            log.warning("residency_message_undecodable", error=type(exc).__name__, detail=str(exc)[:200],
+                        ranks=list(ranks), note="logged once; its ranks' snapshots say partial")
+        for rank in ranks:
+            self._index.lose(self.worker, rank)
 
     # -- snapshots ----------------------------------------------------------
 
