@@ -59,11 +59,11 @@ import msgspec
 
 from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkpoints
 from bridge.contract.events import BlockHash, BlockRemoved, BlockStored
-from bridge.contract.kinds import ATTENTION, OTHER, STATE, WINDOW, family_of
+from bridge.contract.kinds import OTHER, STATE, WINDOW, family_of
 from bridge.contract.snapshot import SNAPSHOT_VERSION, GroupState, RankSnapshot, SnapshotMissing, TierState
 from bridge.residency.fleet import FleetResidency
-from bridge.residency.lean import STORED_TYPES, LeanStored, ResidencyMessage, token_count
-from bridge.residency.prefix import PrefixMatch, allowed_at, window_blocks
+from bridge.residency.lean import LeanStored, ResidencyMessage, token_count
+from bridge.residency.prefix import RULED_FAMILIES, PrefixMatch, allowed_at, window_blocks
 from bridge.residency.slots import WorkerKey
 from bridge.residency.views import GroupResidency, SlotStore, WorkerView
 
@@ -97,7 +97,7 @@ class _Declared(NamedTuple):
     window: int | None
 
 
-def _held_before(res: GroupResidency, group: int, chain: tuple[BlockHash, ...],
+def _held_before(res: GroupResidency, group: int, chain: Sequence[BlockHash],
                  added: Counter[tuple[int, BlockHash]]) -> Callable[[int], bool]:
     """Whether the group holds chain[i] on the GPU tier, leaving out the copies
     stored at this batch position."""
@@ -331,29 +331,32 @@ class ResidencyIndex:
         if msg.kind_source != "unknown" and (g.kind != msg.kind or g.family != msg.family):
             g.learn(msg.kind, msg.family)
         family = g.family
-        for n, any_event in enumerate(msg.events):
+        block_size = g.block_size
+        # A group message holds stores and removals only (clears split it).
+        events = cast("list[BlockStored | LeanStored | BlockRemoved]", msg.events)
+        memo: _Reannounced | None = None  # the batch position's, looked up at its first parent-less store
+        for n, event in enumerate(events):
             if every and n and not n % every:
                 yield
-            # A group message holds stores and removals only (clears split it).
-            event = cast("BlockStored | LeanStored | BlockRemoved", any_event)
             medium = event.medium or DEFAULT_MEDIUM
-            if type(event) in STORED_TYPES:
-                event = cast("BlockStored | LeanStored", event)
-                if event.block_size > 0 and not event.placeholder:
-                    g.block_size = event.block_size
-                if event.kv_cache_spec_sliding_window:
-                    g.window = event.kv_cache_spec_sliding_window
-                hashes = event.block_hashes
-                if family == STATE:
-                    # The contract's rule; an older bridge may not have applied it.
-                    hashes = state_checkpoints(event.medium, hashes)
-                placeholder = family == WINDOW and (event.placeholder or event.block_size == 0)
-                if event.parent_block_hash is None and medium == GPU_MEDIUM and hashes and not placeholder \
-                        and self._announced_again(view, g, msg, event, hashes):
-                    continue
-                g.store(medium, hashes, placeholder)
-            else:
+            if isinstance(event, BlockRemoved):
                 g.remove(medium, event.block_hashes)
+                continue
+            if event.block_size > 0 and event.block_size != block_size and not event.placeholder:
+                g.block_size = block_size = event.block_size
+            if event.kv_cache_spec_sliding_window:
+                g.window = event.kv_cache_spec_sliding_window
+            hashes = event.block_hashes
+            if family == STATE:
+                # The contract's rule; an older bridge may not have applied it.
+                hashes = state_checkpoints(event.medium, hashes)
+            placeholder = family == WINDOW and (event.placeholder or event.block_size == 0)
+            if event.parent_block_hash is None and medium == GPU_MEDIUM and hashes and not placeholder:
+                if memo is None:
+                    memo = self._memo(view.key, msg)
+                if self._announced_again(view, g, memo, event, hashes):
+                    continue
+            g.store(medium, hashes, placeholder)
         if view.last_seq is None or msg.seq >= view.last_seq:
             view.last_seq = msg.seq
         view.last_ts = msg.ts
@@ -361,7 +364,15 @@ class ResidencyIndex:
         view.last_received = now
         view.lag = max(0.0, now - msg.ts)
 
-    def _announced_again(self, view: WorkerView, g: GroupResidency, msg: GroupMessage | ResidencyMessage,
+    def _memo(self, key: WorkerKey, msg: GroupMessage | ResidencyMessage) -> _Reannounced:
+        """The parent-less stores of the rank's current batch position (all its groups' messages)."""
+        at = (msg.epoch, msg.seq, msg.part)
+        memo = self._reannounced.get(key)
+        if memo is None or memo.at != at:
+            memo = self._reannounced[key] = _Reannounced(at)
+        return memo
+
+    def _announced_again(self, view: WorkerView, g: GroupResidency, memo: _Reannounced,
                          event: BlockStored | LeanStored, stored: list[BlockHash]) -> bool:
         """Whether a parent-less GPU store is vLLM announcing a prefix hit again
         (report mode "full") rather than storing blocks; when it is not, it is
@@ -371,22 +382,19 @@ class ResidencyIndex:
         for a request that reused nothing. A tokenless store (a state group: the
         bridge strips its tokens) is one when a store of the same chain at the
         same batch position was; if it came first, its copies are taken back."""
-        at = (msg.epoch, msg.seq, msg.part)
-        memo = self._reannounced.get(view.key)
-        if memo is None or memo.at != at:
-            memo = self._reannounced[view.key] = _Reannounced(at)
-        chain = tuple(event.block_hashes)
-        if chain in memo.chains:
+        chain = event.block_hashes
+        if memo.chains and tuple(chain) in memo.chains:
             self.reannounced_ignored += 1
             return True
         tokens = token_count(event)
         if tokens and event.block_size > 0 and tokens >= len(chain) * event.block_size \
                 and self._resumable_before(view, memo, chain):
-            memo.chains.add(chain)
+            key = tuple(chain)
+            memo.chains.add(key)
             self.reannounced_ignored += 1
             keep = []
             for other, hashes, copies in memo.tokenless:
-                if hashes != chain:
+                if hashes != key:
                     keep.append((other, hashes, copies))
                     continue
                 other.remove(GPU_MEDIUM, copies)  # the copies that store added: no removal
@@ -399,28 +407,29 @@ class ResidencyIndex:
             return True
         memo.note(g.group, stored)
         if not tokens:
-            memo.tokenless.append((g, chain, list(stored)))
+            memo.tokenless.append((g, tuple(chain), list(stored)))
         return False
 
     @staticmethod
-    def _resumable_before(view: WorkerView, memo: _Reannounced, chain: tuple[BlockHash, ...]) -> bool:
+    def _resumable_before(view: WorkerView, memo: _Reannounced, chain: Sequence[BlockHash]) -> bool:
         """The hybrid prefix rule at p = len(chain) on the GPU tier (trusted and
         suspect copies), without the copies stored at this batch position."""
         k = len(chain)
         constrained = False
         last = chain[-1]
         for res in view.groups.values():
-            if res.family not in (ATTENTION, WINDOW, STATE):
+            family = res.family
+            if family not in RULED_FAMILIES:
                 continue
             # Every group that needs a block at all needs the one at k - 1: a
             # fresh request's store, the common case, fails here at one lookup.
             # (Copies stored at this position are counted in too: none held, none to leave out.)
-            if (res.family != WINDOW or window_blocks(res.window, res.block_size) != 0) and \
+            if (family != WINDOW or window_blocks(res.window, res.block_size) != 0) and \
                     res.held(GPU_MEDIUM, last) <= 0:
                 return False
         added = memo.added
         for group, res in view.groups.items():
-            if res.family not in (ATTENTION, WINDOW, STATE):
+            if res.family not in RULED_FAMILIES:
                 continue
             constrained = True
             if not allowed_at(res, _held_before(res, group, chain, added), k):

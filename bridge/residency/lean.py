@@ -44,10 +44,6 @@ class ResidencyMessage(GroupHead):
     chunk: int = 0
 
 
-# Both store forms, for a type test that costs one set lookup.
-STORED_TYPES = frozenset((BlockStored, LeanStored))
-
-
 def residency_decoder() -> msgspec.msgpack.Decoder[ResidencyMessage]:
     """Reads a msgpack group payload (the JSON format decodes in full)."""
     return msgspec.msgpack.Decoder(ResidencyMessage)

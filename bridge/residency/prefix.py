@@ -25,6 +25,9 @@ from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
 from bridge.residency.hashes import lookup_keys
 from bridge.residency.slots import WorkerKey
 
+# The families the hybrid prefix rule constrains; any other never limits a hit.
+RULED_FAMILIES = frozenset((ATTENTION, WINDOW, STATE))
+
 Table = Mapping[BlockHash, int]
 
 
@@ -134,7 +137,7 @@ def match_view(
     limits: dict[int, int] = {}
     constrained = False
     for group, g in sorted(view.groups.items()):
-        if g.family not in (ATTENTION, WINDOW, STATE):
+        if g.family not in RULED_FAMILIES:
             continue
         constrained = True
         held = _held(g.tables(media, include_suspect), keys)

@@ -215,12 +215,14 @@ class GroupResidency:
 
     def store(self, medium: str, hashes: Iterable[BlockHash], placeholder: bool) -> None:
         hashes = hashes if type(hashes) is list else list(hashes)
-        self._bound().store(self._slot, self.group, medium, hashes, placeholder)
+        fleet = self._fleet if self._fleet is not None else self._bound()
+        fleet.store(self._slot, self.group, medium, hashes, placeholder)
         self.stored += len(hashes)
 
     def remove(self, medium: str, hashes: Iterable[BlockHash]) -> None:
         hashes = hashes if type(hashes) is list else list(hashes)
-        removed, unknown = self._bound().remove(self._slot, self.group, medium, hashes)
+        fleet = self._fleet if self._fleet is not None else self._bound()
+        removed, unknown = fleet.remove(self._slot, self.group, medium, hashes)
         self.removed += removed
         self.unknown_removals += unknown
 
