@@ -11,6 +11,7 @@ from __future__ import annotations
 import anyio
 import msgspec
 import pytest
+from prometheus_client import generate_latest
 
 from bridge.contract import HDR_FORMAT, AllBlocksCleared, BlockStored
 from bridge.contract.identity import Origin
@@ -18,6 +19,7 @@ from bridge.contract.msgid import stream_base
 from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.snapshot.keeper import GARBAGE_STEP, ResidencyKeeper, keep_up
+from bridge.producer.telemetry.metrics import Metrics
 from bridge.residency.lean import LeanStored, token_count
 from bridge.runtime.memory import MemoryReturn
 from tests.client.builders import ATTN, hi, msg, record, stored
@@ -139,6 +141,10 @@ def test_a_payload_the_keeper_cannot_read_leaves_its_ranks_flagged_not_raised() 
     assert held("GPU", hi(2)) == 0
     # The bridge's own message names no rank it can read: every rank says so.
     assert keeper.index.view(WORKER, 1).partial  # type: ignore[union-attr]
+    # and /metrics counts it
+    metrics = Metrics()
+    metrics.watch_residency(keeper.levels)
+    assert "kvbridge_residency_undecodable_messages_total 1.0" in generate_latest(metrics.registry).decode()
 
 
 def test_a_payload_read_back_undecodable_flags_the_rank_its_subject_names() -> None:

@@ -154,6 +154,11 @@ class ResidencyKeeper:
         # the relay wakes then instead of sleeping through its idle moment.
         self._wrote: anyio.Event | None = None
 
+    def levels(self) -> tuple[int, int, int, int]:
+        """(entries held, log bytes not yet applied, messages let go, messages
+        it could not read): what /metrics shows of the keeper."""
+        return self.index.store.entries, self.log_bytes, self.shed_messages, self.undecodable
+
     @property
     def index(self) -> ResidencyIndex:
         """The ranks' residency, with any message applied in part finished."""

@@ -152,7 +152,7 @@ class _HotCollector(Collector):
                                 value=messages)
         yield GaugeMetricFamily("kvbridge_js_in_flight_bytes", "Encoded bytes of JetStream publishes awaiting their ack.",
                                 value=size)
-        entries, log_bytes, shed = m._residency()
+        entries, log_bytes, shed, undecodable = m._residency()
         yield GaugeMetricFamily("kvbridge_residency_entries",
                                 "(rank, group, medium, hash) entries the bridge's own residency holds (snapshots).",
                                 value=entries)
@@ -162,14 +162,17 @@ class _HotCollector(Collector):
         yield CounterMetricFamily("kvbridge_residency_shed_messages",
                                   "Messages let go unapplied because the bridge was too busy to apply them "
                                   "(their ranks' snapshots turn stale and partial).", value=shed)
+        yield CounterMetricFamily("kvbridge_residency_undecodable_messages",
+                                  "Messages the bridge's residency could not read, its own or read back from its "
+                                  "stream (their ranks' snapshots turn partial).", value=undecodable)
 
 
 def _nothing_in_flight() -> tuple[int, int]:
     return (0, 0)
 
 
-def _no_residency() -> tuple[int, int, int]:
-    return (0, 0, 0)
+def _no_residency() -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0)
 
 
 def _counter(name: str, doc: str, count: Count) -> CounterMetricFamily:
@@ -275,7 +278,7 @@ class Metrics:
         self.last_seq = LevelBy()
         self.queue_depth = Level()
         self._js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
-        self._residency: Callable[[], tuple[int, int, int]] = _no_residency
+        self._residency: Callable[[], tuple[int, int, int, int]] = _no_residency
         self.lag = Buckets(LAG_BUCKETS)
         self.js_window_waits = Count()
         self.js_window_wait_s = Count()
@@ -286,8 +289,9 @@ class Metrics:
         ack window registers it once it exists, and scrapes call it."""
         self._js_in_flight = read
 
-    def watch_residency(self, read: Callable[[], tuple[int, int, int]]) -> None:
-        """`read` says (entries held, log bytes not yet applied, messages shed) of the bridge's residency."""
+    def watch_residency(self, read: Callable[[], tuple[int, int, int, int]]) -> None:
+        """`read` says (entries held, log bytes not yet applied, messages shed, messages it could
+        not read) of the bridge's residency (`ResidencyKeeper.levels`)."""
         self._residency = read
 
     def render(self) -> bytes:
