@@ -492,6 +492,12 @@ async def _reply_copy_rows(a: Client, reader: Client, admin: Client, url: str, p
             await a.nc.publish("$JS.API.DIRECT.GET.KV_EVENTS.kv.a.9", b"", reply="kv.b.7")
             await a.nc.flush()
             count, copy_seq = await on_b7()
+            # The flush answers once the server has the request; the stream
+            # stores the reply a moment later.
+            with anyio.move_on_after(5):
+                while count == before:
+                    await anyio.sleep(0.05)
+                    count, copy_seq = await on_b7()
             stored = count - before
             replay = BusSubscriber(conn, "kv.b.7", since=StartAt("seq", seq=copy_seq))
             replayed: list[BusItem] = []
