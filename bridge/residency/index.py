@@ -107,6 +107,10 @@ def _held_before(res: GroupResidency, group: int, chain: Sequence[BlockHash],
     return held_at
 
 
+# A group message's events: stores and removals only (clears split a batch).
+_Events = Sequence["BlockStored | LeanStored | BlockRemoved"]
+
+
 class _Reannounced:
     """Parent-less GPU stores of one batch position of one worker rank (report mode "full")."""
 
@@ -305,17 +309,38 @@ class ResidencyIndex:
             g.window = decl.window
 
     def apply_group(self, msg: GroupMessage | ResidencyMessage, received: float | None = None) -> None:
-        for _ in self.apply_group_steps(msg, received):
-            pass
+        opened = self._open(msg)
+        if opened is not None:
+            view, g = opened
+            self._apply_events(view, g, msg, cast(_Events, msg.events))
+            self._close(view, msg, received)
 
     def apply_group_steps(self, msg: GroupMessage | ResidencyMessage, received: float | None = None,
                           every: int = 0) -> Generator[None, None, None]:
         """`apply_group` as steps: with `every`, a pause after every `every`
         events, so that a reader on an event loop can apply a long message
         in pieces. Nothing else may change the index until it is done."""
+        opened = self._open(msg)
+        if opened is None:
+            return
+        view, g = opened
+        events = cast(_Events, msg.events)
+        if every and len(events) > every:
+            memo = None
+            for start in range(0, len(events), every):
+                if start:
+                    yield
+                memo = self._apply_events(view, g, msg, events[start:start + every], memo)
+        else:
+            self._apply_events(view, g, msg, events)
+        self._close(view, msg, received)
+
+    def _open(self, msg: GroupMessage | ResidencyMessage) -> tuple[WorkerView, GroupResidency] | None:
+        """The view and group a message applies to; None when it is not to
+        be applied (an older epoch, or a position already applied)."""
         view = self._current(msg.worker, msg.dp_rank, msg.epoch)
         if view is None:
-            return
+            return None
         g = view.group(msg.group, msg.kind, msg.family)
         position = (msg.seq, msg.part, msg.chunk)
         if g.last_position is not None and position <= g.last_position:
@@ -323,21 +348,23 @@ class ResidencyIndex:
             # connection): the stream kept one copy, a core subscription sees
             # both, and a store applied twice could outlive its removal.
             view.duplicates_ignored += 1
-            return
+            return None
         g.last_position = position
-        view.watching = True
+        if not view.watching:
+            view.watching = True
         view.messages += 1
         view.topic = msg.topic
         if msg.kind_source != "unknown" and (g.kind != msg.kind or g.family != msg.family):
             g.learn(msg.kind, msg.family)
+        return view, g
+
+    def _apply_events(self, view: WorkerView, g: GroupResidency, msg: GroupMessage | ResidencyMessage,
+                      events: _Events, memo: _Reannounced | None = None) -> _Reannounced | None:
+        """Applies a run of the message's events; `memo`: the batch position's
+        parent-less stores, once an earlier run looked them up (returned for the next)."""
         family = g.family
         block_size = g.block_size
-        # A group message holds stores and removals only (clears split it).
-        events = cast("list[BlockStored | LeanStored | BlockRemoved]", msg.events)
-        memo: _Reannounced | None = None  # the batch position's, looked up at its first parent-less store
-        for n, event in enumerate(events):
-            if every and n and not n % every:
-                yield
+        for event in events:
             medium = event.medium or DEFAULT_MEDIUM
             if isinstance(event, BlockRemoved):
                 g.remove(medium, event.block_hashes)
@@ -357,6 +384,10 @@ class ResidencyIndex:
                 if self._announced_again(view, g, memo, event, hashes):
                     continue
             g.store(medium, hashes, placeholder)
+        return memo
+
+    @staticmethod
+    def _close(view: WorkerView, msg: GroupMessage | ResidencyMessage, received: float | None) -> None:
         if view.last_seq is None or msg.seq >= view.last_seq:
             view.last_seq = msg.seq
         view.last_ts = msg.ts

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -34,7 +34,7 @@ from bridge.contract.snapshot import RankSnapshot, encode_snapshot_steps
 from bridge.producer.sink.acks import ack_seq
 from bridge.producer.sink.encode import Outgoing
 from bridge.residency import ResidencyIndex
-from bridge.residency.lean import ResidencyMessage, residency_decoder
+from bridge.residency.lean import residency_decoder
 from bridge.residency.rank_tables import RankTables
 from bridge.runtime.memory import MemoryReturn
 
@@ -44,6 +44,11 @@ _T = TypeVar("_T")
 # Applied in slices of this long while the bridge is idle, so a batch
 # arriving meanwhile waits no longer than that.
 IDLE_SLICE_S = 0.0005
+# Within a slice, the keeper asks whether the relay has work at most this
+# often: asking is a poll(2) of the relay's sockets, and at 8-event batches
+# a message takes a few microseconds to apply, so asking after each one cost
+# about 5% of its work, for a batch seen at most this much sooner.
+BUSY_LOOK_S = 0.00005
 # While work waits and the relay is busy, the keeper looks again when the
 # sink hands over its next write (the moment the relay may have gone idle),
 # or after this long: a batch waiting in ZMQ is not a write yet.
@@ -158,6 +163,10 @@ class ResidencyKeeper:
         """(entries held, log bytes not yet applied, messages let go, messages
         it could not read): what /metrics shows of the keeper."""
         return self.index.store.entries, self.log_bytes, self.shed_messages, self.undecodable
+
+    def refusals(self) -> Mapping[Refusal, int]:
+        """Messages a rebuild read back and refused, per reason: what /metrics shows."""
+        return self.refused
 
     @property
     def index(self) -> ResidencyIndex:
@@ -276,8 +285,8 @@ class ResidencyKeeper:
         """Applies up to `limit` logged messages (0: all), for at most about
         `seconds` (0: no bound), `STEP_EVENTS` events at a time: a message
         the time runs out in stays applied in part (`pending` counts it) and
-        is finished first next time. With `busy`, it also stops at the first
-        pause where that says the relay has work. Returns how many messages
+        is finished first next time. With `busy`, it also stops at a pause
+        where that says the relay has work (asked at most every `BUSY_LOOK_S`). Returns how many messages
         it finished (none while a snapshot is being exported: the log holds
         them)."""
         if self._exporting:
@@ -290,8 +299,19 @@ class ResidencyKeeper:
         end = clock() + seconds if seconds else 0.0
         every = STEP_EVENTS if seconds else 0
 
+        look_at = 0.0
+
         def spent() -> bool:
-            return bool(end) and (clock() >= end or (busy is not None and busy()))
+            nonlocal look_at
+            if not end:
+                return False
+            now = clock()
+            if now >= end:
+                return True
+            if busy is not None and now >= look_at:
+                look_at = now + BUSY_LOOK_S
+                return busy()
+            return False
 
         steps, self._partial = self._partial, None
         while True:
@@ -300,12 +320,18 @@ class ResidencyKeeper:
                     break
                 payload, msg_id, decoder, ack, size = log_.popleft()
                 self.log_bytes -= size
-                steps = self._apply_steps(decoder, payload, msg_id, ack, None, every)
-            for _ in steps:
-                if spent():
-                    self._partial = steps
-                    return n
-            steps = None
+                body = self._read(decoder, payload, None)
+                if body is not None:
+                    if every and type(body) is not WorkerRecord and len(body.events) > every:
+                        steps = self._apply_steps(body, msg_id, ack, every)
+                    else:
+                        self._apply_body(body, msg_id, ack)
+            if steps is not None:
+                for _ in steps:
+                    if spent():
+                        self._partial = steps
+                        return n
+                steps = None
             n += 1
             if spent():
                 break
@@ -360,37 +386,59 @@ class ResidencyKeeper:
     def _apply(self, decoder: Any, payload: bytes, msg_id: str, ack: bytes | None,
                origin: Origin | None) -> Refusal | None:
         self.settle()
-        return _finish(self._apply_steps(decoder, payload, msg_id, ack, origin, 0))
+        body = self._read(decoder, payload, origin)
+        if isinstance(body, Refusal):
+            return body
+        if body is not None:
+            self._apply_body(body, msg_id, ack)
+        return None
 
-    def _apply_steps(self, decoder: Any, payload: bytes, msg_id: str, ack: bytes | None,
-                     origin: Origin | None, every: int) -> Generator[None, None, Refusal | None]:
-        """`_apply` as steps, a pause after every `every` events (0: none)."""
+    def _read(self, decoder: Any, payload: bytes, origin: Origin | None) -> Any:
+        """The message's body; None when it cannot be read (counted and
+        flagged), its `Refusal` when it speaks for another worker, rank or
+        group than `origin`, where it arrived (counted, never applied)."""
         try:
             body = decoder.decode(payload)  # type: ignore[union-attr]
         except (AttributeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._undecodable(origin, exc)
             return None
-        kind = type(body)
         if origin is not None:
-            why = check(origin, body.worker, body.dp_rank, None if kind is WorkerRecord else body.group)
+            record = type(body) is WorkerRecord
+            why = check(origin, body.worker, body.dp_rank, None if record else body.group)
             if why is None and body.worker != self.worker:
                 why = Refusal.WORKER
             if why is not None:
                 self.refused[why] += 1
                 return why
-        if kind is ResidencyMessage or kind is GroupMessage:
-            yield from self._index.apply_group_steps(body, every=every)
-        else:
+        return body
+
+    def _apply_body(self, body: Any, msg_id: str, ack: bytes | None) -> None:
+        """A message read (`_read`), applied at once."""
+        if type(body) is WorkerRecord:
             self._index.apply_record(body)
-        rank = body.dp_rank
+            self._applied(body.dp_rank, 1, msg_id, ack)
+        else:
+            self._index.apply_group(body)
+            self._applied(body.dp_rank, len(body.events), msg_id, ack)
+
+    def _apply_steps(self, body: Any, msg_id: str, ack: bytes | None, every: int) -> Generator[None, None, None]:
+        """A group message read (`_read`), applied with a pause after every `every` events."""
+        yield from self._index.apply_group_steps(body, every=every)
+        self._applied(body.dp_rank, len(body.events), msg_id, ack)
+
+    def _applied(self, rank: int, events: int, msg_id: str, ack: bytes | None) -> None:
+        """Notes the message last applied for `rank`, and its events."""
         # A duplicate's ack names the stored copy's (earlier) sequence: the
         # position a reader goes on from only moves forward.
         seq = max(0, ack_seq(ack)) if ack is not None else 0
         last = self._through.get(rank)
-        self._through[rank] = _Through(msg_id, seq=max(seq, last.seq if last else 0))
-        events = 1 if kind is WorkerRecord else len(body.events)
+        if last is None:
+            self._through[rank] = _Through(msg_id, seq)
+        else:
+            last.msg_id = msg_id
+            if seq > last.seq:
+                last.seq = seq
         self.applied[rank] = self.applied.get(rank, 0) + events
-        return None
 
     def _undecodable(self, origin: Origin | None, exc: Exception) -> None:
         """A message the keeper cannot read: whatever it stored or removed is
