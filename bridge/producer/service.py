@@ -74,7 +74,7 @@ class Bridge:
                              on_written=keeper.published if keeper else None,
                              on_stored=keeper.stored if keeper else None)
         if keeper is not None:
-            self.metrics.watch_residency(keeper.levels)
+            self.metrics.watch_residency(keeper.levels, keeper.refusals)
         self.snapshots: SnapshotService | None = None
         self._snapshot_writer: SnapshotWriter | None = None
         self._subscribed = 0

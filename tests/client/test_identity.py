@@ -11,6 +11,7 @@ import msgspec
 import nats
 import pytest
 import structlog
+from prometheus_client import generate_latest
 
 from bridge.client.bootstrap import BootstrapOptions, fetch
 from bridge.client.bucket import SnapshotBucket
@@ -37,6 +38,7 @@ from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.producer.snapshot.rebuild import replayed
+from bridge.producer.telemetry.metrics import Metrics
 from bridge.residency.index import ResidencyIndex
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import make_settings
@@ -212,3 +214,9 @@ def test_the_bridges_rebuild_refuses_what_its_subjects_do_not_say() -> None:
     assert view is not None and dict(view.groups[0].trusted["GPU"].items()) == {hb(1): 1}
     assert keeper.index.view("b", 0) is None and keeper.index.view("a", 1) is None
     assert keeper.refused == {Refusal.WORKER: 1, Refusal.RANK: 1}
+    # and /metrics counts them, by reason
+    metrics = Metrics()
+    metrics.watch_residency(keeper.levels, keeper.refusals)
+    scraped = generate_latest(metrics.registry).decode()
+    for reason, n in (("worker_mismatch", 1), ("rank_mismatch", 1), ("reply_copy", 0)):
+        assert f'kvbridge_residency_refused_messages_total{{reason="{reason}"}} {n}.0' in scraped

@@ -9,7 +9,7 @@ event loop's one thread, scrapes included, so no lock is needed.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from bridge.contract import FAMILIES
+from bridge.contract.identity import Refusal
 
 MALFORMED_REASONS = (
     "frame_count", "bad_seq", "too_large", "bad_topic", "bad_batch", "bad_event", "unknown_event_type",
@@ -165,6 +166,14 @@ class _HotCollector(Collector):
         yield CounterMetricFamily("kvbridge_residency_undecodable_messages",
                                   "Messages the bridge's residency could not read, its own or read back from its "
                                   "stream (their ranks' snapshots turn partial).", value=undecodable)
+        refused = CounterMetricFamily("kvbridge_residency_refused_messages",
+                                      "Messages a rebuild of the bridge's residency read back from its stream and "
+                                      "refused, by reason: not the bridge's own (a reply copy, a payload naming "
+                                      "another worker, rank or group than its subject).", labels=["reason"])
+        counts = m._residency_refused()
+        for why in Refusal:
+            refused.add_metric([why.value], counts.get(why, 0))
+        yield refused
 
 
 def _nothing_in_flight() -> tuple[int, int]:
@@ -173,6 +182,10 @@ def _nothing_in_flight() -> tuple[int, int]:
 
 def _no_residency() -> tuple[int, int, int, int]:
     return (0, 0, 0, 0)
+
+
+def _no_refusals() -> Mapping[Refusal, int]:
+    return {}
 
 
 def _counter(name: str, doc: str, count: Count) -> CounterMetricFamily:
@@ -279,6 +292,7 @@ class Metrics:
         self.queue_depth = Level()
         self._js_in_flight: Callable[[], tuple[int, int]] = _nothing_in_flight
         self._residency: Callable[[], tuple[int, int, int, int]] = _no_residency
+        self._residency_refused: Callable[[], Mapping[Refusal, int]] = _no_refusals
         self.lag = Buckets(LAG_BUCKETS)
         self.js_window_waits = Count()
         self.js_window_wait_s = Count()
@@ -289,10 +303,13 @@ class Metrics:
         ack window registers it once it exists, and scrapes call it."""
         self._js_in_flight = read
 
-    def watch_residency(self, read: Callable[[], tuple[int, int, int, int]]) -> None:
+    def watch_residency(self, read: Callable[[], tuple[int, int, int, int]],
+                        refused: Callable[[], Mapping[Refusal, int]] = _no_refusals) -> None:
         """`read` says (entries held, log bytes not yet applied, messages shed, messages it could
-        not read) of the bridge's residency (`ResidencyKeeper.levels`)."""
+        not read) of the bridge's residency (`ResidencyKeeper.levels`); `refused`, the messages
+        its rebuilds refused, per reason (`ResidencyKeeper.refusals`)."""
         self._residency = read
+        self._residency_refused = refused
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
