@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from bridge.residency.prefix import PrefixMatch
 from bridge.residency.query import Answer
-from bridge.residency.slots import BITS, WorkerKey, flags, slots_of
+from bridge.residency.slots import WorkerKey, flags, slots_of
 
 
 class Order(NamedTuple):
@@ -47,7 +47,7 @@ def make_order(keys: dict[int, WorkerKey], slots: list[int], templates: dict[int
     by_template: dict[int, tuple[dict[int, int], int]] = {}
     for s, t in zip(slots, per):
         had = by_template.get(id(t), (t, 0))
-        by_template[id(t)] = (t, had[1] | BITS[s])
+        by_template[id(t)] = (t, had[1] | 1 << s)
     return Order(slots, [k.worker for k in mine], [k.dp_rank for k in mine], per, dict(zip(slots, count())),
                  slots == list(range(len(slots))), list(by_template.values()), [-1, []])
 
@@ -142,13 +142,14 @@ def matches(order: Order, ans: Answer, candidates: int, skip: Collection[str] | 
 def one_match(ans: Answer, slot: int, key: WorkerKey, stale: bool, template: dict[int, int]) -> PrefixMatch:
     """One slot's answer (`ans` asked for that slot alone)."""
     blocks = 0
+    b = 1 << slot
     for p, bits in ans.blocks:
-        if bits & BITS[slot]:
+        if bits & b:
             blocks = p
     lim = dict(template)
     for group, lv in ans.limits:
         for v, bits in lv:
-            if v and bits & BITS[slot]:
+            if v and bits & b:
                 lim[group] = v
     return PrefixMatch(key.worker, key.dp_rank, blocks, stale, lim)
 

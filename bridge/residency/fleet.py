@@ -35,7 +35,7 @@ from bridge.residency.hash_ids import HashIds
 from bridge.residency.holder_sets import HolderSets
 from bridge.residency.prefix import GroupShape, PrefixMatch
 from bridge.residency.slot_logs import SlotLog
-from bridge.residency.slots import BITS, WorkerKey, bit
+from bridge.residency.slots import WorkerKey
 from bridge.residency.tier_columns import Tier, TierColumns, zeros
 
 TRUSTED, SUSPECT, PLACEHOLDER = "trusted", "suspect", "placeholder"
@@ -101,8 +101,8 @@ class FleetResidency:
             slot = self._next_slot
             self._next_slot += 1
             self._suspect.append(0)
-        b = bit(slot)
         self._sets.add_slot(slot)
+        b = self._sets.bits[slot]
         self._keys[slot] = key
         self._suspect[slot] = 0
         self._partial.discard(slot)
@@ -120,7 +120,7 @@ class FleetResidency:
                 self._clear_tier(tier, slot)
         self._shape.pop(slot, None)
         key = self._keys.pop(slot)
-        b = BITS[slot]
+        b = self._sets.bits[slot]
         self._all &= ~b
         self._watching &= ~b
         rest = self._worker_bits[key.worker] & ~b
@@ -133,7 +133,7 @@ class FleetResidency:
         self._orders.clear()
 
     def set_watching(self, slot: int, watching: bool) -> None:
-        b = BITS[slot]
+        b = self._sets.bits[slot]
         now = self._watching | b if watching else self._watching & ~b
         if now != self._watching:
             self._watching = now
@@ -255,7 +255,7 @@ class FleetResidency:
         fast = tier.trusted is held and grp.u_held is None
         S = self._sets.S
         sref = self._sets.sref
-        b = BITS[slot]
+        b = self._sets.bits[slot]
         last_old = last_new = -1
         removed = unknown = 0
         for h in hashes:
@@ -618,7 +618,8 @@ class FleetResidency:
         got = self._orders.get(include_unwatched)
         if got is None:
             w = self._watching
-            slots = [s for s in self._keys if include_unwatched or w & BITS[s]]
+            bits = self._sets.bits
+            slots = [s for s in self._keys if include_unwatched or w & bits[s]]
             got = self._orders[include_unwatched] = answers.make_order(self._keys, slots, self._templates)
         answers.refresh_stale(got, self._stale_version, self._suspect)
         return got
@@ -637,7 +638,7 @@ class FleetResidency:
 
     def match(self, slot: int, chain: Sequence[BlockHash], media: Collection[str] | None = None,
               include_suspect: bool = False) -> PrefixMatch:
-        ans = self.answer(chain, BITS[slot], media, include_suspect)
+        ans = self.answer(chain, self._sets.bits[slot], media, include_suspect)
         return answers.one_match(ans, slot, self._keys[slot], self._suspect[slot] > 0, self._templates.get(slot, {}))
 
     def prefix_hits(self, chain: Sequence[BlockHash], *, media: Collection[str] | None = None,

@@ -12,8 +12,6 @@ from __future__ import annotations
 from array import array
 from itertools import repeat
 
-from bridge.residency.slots import BITS
-
 
 class ColumnCounts:
     """Counts of a held column: hashes with a holder, hashes with two or more."""
@@ -28,10 +26,13 @@ class ColumnCounts:
 class HolderSets:
     """sid → bitset (`S`), bitset → even sid (`sid`), references of even sids (`sref`)."""
 
-    __slots__ = ("S", "sid", "sref", "free_sids", "next_even")
+    __slots__ = ("S", "bits", "sid", "sref", "free_sids", "next_even")
 
     def __init__(self) -> None:
         self.S: list[int] = [0]
+        # bits[s] is 1 << s, one object per slot taken: the per-block loops
+        # index it rather than build a new int each time.
+        self.bits: list[int] = []
         self.sid: dict[int, int] = {}
         self.sref: list[int] = [0]
         self.free_sids: list[int] = []
@@ -50,7 +51,10 @@ class HolderSets:
     def add_slot(self, slot: int) -> None:
         """The single set of a slot just taken."""
         self._grow(2 * slot + 2)
-        self.S[2 * slot + 1] = BITS[slot]
+        bits = self.bits
+        while len(bits) <= slot:
+            bits.append(1 << len(bits))
+        self.S[2 * slot + 1] = bits[slot]
 
     def sid_of(self, v: int) -> int:
         """The sid of a non-empty bitset (a new shared set starts unreferenced)."""
@@ -92,15 +96,15 @@ class HolderSets:
     def with_slot(self, sid: int, slot: int) -> int:
         if not sid:
             return 2 * slot + 1
-        return self.sid_of(self.S[sid] | BITS[slot])
+        return self.sid_of(self.S[sid] | self.bits[slot])
 
     def without(self, sid: int, slot: int) -> int:
         if sid == 2 * slot + 1:
             return 0
-        return self.sid_of(self.S[sid] & ~BITS[slot])
+        return self.sid_of(self.S[sid] & ~self.bits[slot])
 
     def has(self, sid: int, slot: int) -> bool:
-        return sid == 2 * slot + 1 or bool(sid and not sid & 1 and self.S[sid] & BITS[slot])
+        return sid == 2 * slot + 1 or bool(sid and not sid & 1 and self.S[sid] & self.bits[slot])
 
     # -- writing a column that names sids -------------------------------------
 
@@ -147,7 +151,7 @@ class HolderSets:
         shared prefix make the same move, so it is computed once per run and
         the references are counted at the end. Returns the ids joined."""
         S = self.S
-        b = BITS[slot]
+        b = self.bits[slot]
         ss = 2 * slot + 1
         fresh: list[int] = []
         take = fresh.append

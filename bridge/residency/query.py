@@ -24,7 +24,7 @@ import numpy as np
 from bridge.contract import ATTENTION, STATE, WINDOW, BlockHash
 from bridge.residency.hash_ids import HashIds, Runs, run_ids
 from bridge.residency.prefix import GroupShape, window_blocks
-from bridge.residency.slots import ALL, BITS
+from bridge.residency.slots import ALL
 from bridge.residency.tier_columns import TierColumns
 
 # Per group: (width, slots) for every width the rule gives that group in some
@@ -51,7 +51,7 @@ def widths_of(shapes: Mapping[int, Mapping[int, GroupShape]]) -> tuple[Widths, d
     per_group: dict[int, dict[int | None, int]] = {}
     slot_groups: dict[int, tuple[int, ...]] = {}
     for slot, groups in shapes.items():
-        b = BITS[slot]
+        b = 1 << slot
         mine = []
         for group, shape in groups.items():
             family = shape.family

@@ -11,8 +11,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator
 
-from bridge.residency.slots import BITS
-
 
 class SlotLog:
     """One slot's share of one tier: the ids it took (checked against the
@@ -37,7 +35,7 @@ class SlotLog:
         """The ids the slot holds in the tier whose held column is `held` (sid
         → bitset in `sets`): its log, checked and compacted."""
         ss = 2 * slot + 1
-        b = BITS[slot]
+        b = 1 << slot
         # The test of `iter_live`, spelled out here: a call per id would cost
         # a compaction of a long log (inside a store) a third more.
         ids = [i for i in set(self.log) if held[i] == ss or (held[i] and not held[i] & 1 and sets[held[i]] & b)]
@@ -51,7 +49,7 @@ class SlotLog:
         log read, held or not, so that a reader can pause at even intervals
         (nothing may change the tier until it is done)."""
         ss = 2 * slot + 1
-        b = BITS[slot]
+        b = 1 << slot
         seen: set[int] = set()
         add = seen.add
         for k, i in enumerate(self.log, 1):

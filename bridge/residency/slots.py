@@ -11,10 +11,6 @@ from __future__ import annotations
 from itertools import compress, count
 from typing import NamedTuple
 
-# BITS[s] is 1 << s, one object per slot: the hot loops index it rather than
-# build a new int per block. It only ever grows (by `bit`), and equal slots
-# give equal ints whoever filled it, so sharing it between fleets is safe.
-BITS: list[int] = []
 ALL = -1  # every bit
 _BIN01 = bytes.maketrans(b"01", b"\x00\x01")
 
@@ -24,13 +20,6 @@ class WorkerKey(NamedTuple):
     dp_rank: int
 
 
-def bit(slot: int) -> int:
-    """1 << slot, making sure BITS covers the slot."""
-    while len(BITS) <= slot:
-        BITS.append(1 << len(BITS))
-    return BITS[slot]
-
-
 def slots_of(bits: int) -> list[int]:
     """The slots of a bitset, any order."""
     if bits.bit_count() <= 16:
@@ -38,7 +27,7 @@ def slots_of(bits: int) -> list[int]:
         while bits:
             s = bits.bit_length() - 1
             out.append(s)
-            bits ^= BITS[s]
+            bits ^= 1 << s
         return out
     return list(compress(count(), flags(bits)))
 

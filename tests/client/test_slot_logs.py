@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bridge.residency.slot_logs import SlotLog
-from bridge.residency.slots import BITS, bit
 
 IDS = 64
 
@@ -18,11 +17,9 @@ IDS = 64
 @given(st.lists(st.integers(0, IDS - 1), max_size=300), st.lists(st.integers(0, 5), min_size=IDS, max_size=IDS),
        st.integers(1, 50))
 def test_read_at_once_and_in_pieces_name_the_same_ids(log: list[int], column: list[int], pause: int) -> None:
-    for slot in range(3):
-        bit(slot)
     slot = 1
     # held[i]: 0 nobody, 2*slot+1 this slot alone, an even sid: a holder set (sets[sid] its bitset)
-    sets = [0, 0, BITS[0] | BITS[1], 0, BITS[0] | BITS[2]]
+    sets = [0, 0, 0b011, 0, 0b101]
     held = array("q", [0 if c == 0 else 2 * slot + 1 if c == 1 else 1 if c == 3 else [2, 4][c % 2] for c in column])
     cell = SlotLog()
     cell.log = array("I", log)
