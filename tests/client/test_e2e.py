@@ -10,6 +10,7 @@ import pytest
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.wire_writer import encode_batch
 from bridge.apps.demo.wire_writer import stored as wire_stored
+from bridge.contract import BlockHash
 from bridge.residency.index import ResidencyIndex
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
@@ -44,7 +45,7 @@ def _seen(index: ResidencyIndex, worker: str, seq: int) -> Callable[[], bool]:
     return check
 
 
-def _attention_batch(hashes: list[bytes]) -> bytes:
+def _attention_batch(hashes: list[BlockHash]) -> bytes:
     return encode_batch(time.time(), [wire_stored(hashes, None, [], B, group_idx=0, kind="full_attention")])
 
 
@@ -102,8 +103,8 @@ async def test_a_gap_on_the_bus_makes_the_worker_stale(nats_server: NatsServerPr
     port = free_port()
     publisher = WirePublisher(f"tcp://*:{port}", None)
     settings = make_settings(zmq_endpoint=[f"tcp://127.0.0.1:{port}"], nats_url=[nats_server.url], worker_id="pod-b")
-    before = [hb(i) for i in range(4)]
-    after = [hb(i) for i in range(10, 12)]
+    before: list[BlockHash] = [hb(i) for i in range(4)]
+    after: list[BlockHash] = [hb(i) for i in range(10, 12)]
     try:
         async with live_index(nats_server.url) as index, running_bridge(settings):
             publisher.publish(_attention_batch(before))

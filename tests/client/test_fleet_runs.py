@@ -105,8 +105,8 @@ def test_seeded_fleets_read_fast_as_plain(seed: int, monkeypatch: pytest.MonkeyP
             numbers += rnd.choice(chains)  # known blocks after unknown ones
         if rnd.random() < 0.3:
             rnd.shuffle(numbers)
-        kw = rnd.choice([{}, {"media": ("GPU",)}, {"include_suspect": True}, {"include_unwatched": True},
-                         {"skip_workers": {"w1", "w3"}}])
+        kw: dict[str, Any] = rnd.choice([{}, {"media": ("GPU",)}, {"include_suspect": True}, {"include_unwatched": True},
+                                         {"skip_workers": {"w1", "w3"}}])
         _same(new, ref, [form(i) for i in numbers], monkeypatch, **kw)
     # removals free ids; new hashes take them
     for item in items[: len(items) // 2]:

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from bridge.client.subscribe import Interruption
-from bridge.contract import BlockRemoved, BlockStored, GroupMessage
+from bridge.contract import BlockHash, BlockRemoved, BlockStored, GroupMessage, KindSource, WorkerRecord
 from bridge.contract.kinds import family_of
 from bridge.residency.index import ResidencyIndex
-from bridge.residency.lean import residency_decoder
+from bridge.residency.lean import ResidencyMessage, residency_decoder
 from bridge.residency.prefix import match_view
 from bridge.residency.rank_tables import RankTables
 from tests.client.builders import hb, hi, msg, record
@@ -193,9 +193,10 @@ class FleetVersusReference(RuleBasedStateMachine):
         self.seq = 0
         self.sent: list[GroupMessage] = []
 
-    def _both(self, item: Any) -> None:
+    def _both(self, item: GroupMessage | WorkerRecord | Interruption) -> None:
         self.new.apply(item)
         self.ref.apply(item)
+        lean: GroupMessage | WorkerRecord | Interruption | ResidencyMessage
         try:
             lean = LEAN.decode(msgspec.msgpack.encode(item)) if type(item) is GroupMessage else item
         except OverflowError:  # a hash past 64 bits: only Python objects carry it
@@ -203,12 +204,13 @@ class FleetVersusReference(RuleBasedStateMachine):
         if lean is item:
             self.lean.apply(item)
         else:
+            assert isinstance(lean, ResidencyMessage)
             self.lean.apply_group(lean)
 
     def _send(self, worker: str, rank: int, group: int, events: list[Any], kind: str | None = None,
               epoch: int | None = None) -> None:
         self.seq += 1
-        source = "unknown" if kind == "unknown" else "event"
+        source: KindSource = "unknown" if kind == "unknown" else "event"
         m = msg(events, group=group, worker=worker, rank=rank, seq=self.seq, kind=kind or self.kinds[worker][group],
                 source=source, epoch=self.epoch[(worker, rank)] if epoch is None else epoch, ts=float(self.seq))
         self.sent.append(m)
@@ -415,8 +417,9 @@ def test_seeded_fleets_answer_as_the_reference(seed: int, window: int, block: in
         if rnd.random() < 0.2:
             chain = chain[:rnd.randint(0, len(chain))]
         if int_form and rnd.random() < 0.3:
-            chain = [hb(0)] + chain  # a bytes block in an int chain
-        kw = rnd.choice([{}, {"media": ("GPU",)}, {"include_suspect": True}, {"media": ("CPU",), "include_suspect": True}])
+            chain = [hb(0), *chain]  # a bytes block in an int chain
+        kw: dict[str, Any] = rnd.choice([{}, {"media": ("GPU",)}, {"include_suspect": True},
+                                         {"media": ("CPU",), "include_suspect": True}])
         assert new.longest_prefix(chain, **kw) == ref.longest_prefix(chain, **kw)
     assert_same_state(new, ref)
     audit(new.fleet)
@@ -455,7 +458,7 @@ def test_bytes_requests_find_int_published_blocks_in_a_big_fleet() -> None:
 
 
 def test_report_mode_full_announcements_add_nothing_in_both() -> None:
-    chain = [hb(i) for i in range(4)]
+    chain: list[BlockHash] = [hb(i) for i in range(4)]
     kinds = {0: "full_attention", 1: "sliding_window", 2: "mamba"}
 
     def batch(seq: int, n: int, state_first: bool) -> list[GroupMessage]:

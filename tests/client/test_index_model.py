@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from bridge.client.subscribe import Interruption
-from bridge.contract import GroupMessage
+from bridge.contract import BlockHash, GroupMessage
 from bridge.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, WIN, hb, hi, msg, record, removed, stored
 from tests.client.model import replay
@@ -132,7 +132,7 @@ class IndexVersusModel(RuleBasedStateMachine):
         model.watching = True
         self._send(rank, group, removed(hashes, group=group, medium=medium))
 
-    def _draw_held(self, data: st.DataObject) -> tuple[int, int, str, object] | None:
+    def _draw_held(self, data: st.DataObject) -> tuple[int, int, str, BlockHash] | None:
         held = sorted(
             {(r, k) for r in RANKS for layer in replay(self.ranks[r].log)[:3] for k, n in layer.items() if n > 0},
             key=repr,

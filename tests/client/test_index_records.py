@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from bridge.client.subscribe import Interruption
+from bridge.contract import GroupMessage, WorkerRecord
 from bridge.contract.snapshot import SnapshotMissing
 from bridge.residency.index import ResidencyIndex
 from tests.client.builders import ATTN, STATE, hb, msg, record, removed, stored
@@ -80,7 +81,7 @@ def test_a_partial_view_stays_partial_through_a_clear_until_a_restart_or_fresh_s
     consumer that knows it) is still missing from it. Only a record that
     drops the groups too makes it whole."""
     head = [msg([stored(CHAIN[:4])]), msg([stored([CHAIN[3]], group=STATE)], group=STATE)]
-    tail = [record("cleared", seq=8), msg([stored(CHAIN[:2])])]
+    tail: list[GroupMessage | WorkerRecord | SnapshotMissing] = [record("cleared", seq=8), msg([stored(CHAIN[:2])])]
     watcher = _fed(*head, *tail)
     late = ResidencyIndex()
     late.apply(SnapshotMissing("w", 0, "no bridge answers"))

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import anyio
 import nats
 import pytest
+from nats.aio.msg import Msg
 from nats.js import api
 
 from bridge.client.consumer import CONSUMERS_PER_USER, ConsumerNamesInUse, OwnConsumer, consumer_names, consumer_user
@@ -31,7 +32,7 @@ async def _stream(url: str, inbox: str = "_INBOX.reader") -> nats.NATS:
     return nc
 
 
-async def _take(it: AsyncIterator[nats.aio.msg.Msg], n: int) -> list[int]:
+async def _take(it: AsyncIterator[Msg], n: int) -> list[int]:
     out = []
     with anyio.fail_after(20):
         async for m in it:

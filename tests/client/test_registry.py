@@ -61,6 +61,7 @@ async def test_put_heartbeat_stop_and_follow(nats_server: NatsServerProcess) -> 
             revision = await registry.put(entry)
             kv = await registry.open()
             got = await kv.get(registry_key(entry.worker))
+            assert got.value is not None
             stored = decode_entry(got.value)
             assert got.revision == revision and stored.worker == "pod.a b~" and stored.ranks[0].last_seq == 41
             assert abs(stored.heartbeat_ts - time.time()) < 5

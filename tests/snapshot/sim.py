@@ -122,7 +122,7 @@ class Stream:
         return self
 
     async def fetch(self, batch: int, timeout: float) -> list[SimpleNamespace]:
-        out = []
+        out: list[SimpleNamespace] = []
         while self._reading and len(out) < batch:
             seq, msg = self._reading.popleft()
             meta = SimpleNamespace(sequence=SimpleNamespace(stream=seq), num_pending=len(self._reading))

@@ -260,6 +260,7 @@ class FleetLimits(RuleBasedStateMachine):
         held = self.stream.holdings()
         plan = stream_opening(found, held)
         late.gate = LiveGate(found, plan.skip_seq, held)
+        item: Found | BusMessage
         for key, got in found.items():
             lost = type(got) is not RankSnapshot or self.stream.lost_after(got.stream_seq)
             late.expect_partial[key] = lost

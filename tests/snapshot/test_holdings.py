@@ -11,7 +11,7 @@ import anyio
 import nats
 import pytest
 
-from bridge.client.bootstrap import BootstrapOptions, LiveGate, fetch, stream_opening
+from bridge.client.bootstrap import BootstrapOptions, Found, LiveGate, RankKey, fetch, stream_opening
 from bridge.client.subscribe import StartAt
 from bridge.contract.holdings import StreamHoldings, holdings_from_state
 from bridge.contract.snapshot import SNAPSHOT_VERSION, RankSnapshot, SnapshotMissing
@@ -48,7 +48,7 @@ def test_a_deletion_after_a_position_means_the_stream_no_longer_holds_all_after_
 
 def test_the_opening_and_the_gate_flag_what_the_stream_deleted() -> None:
     held = StreamHoldings(first_seq=1, last_seq=100, deleted=(60,))
-    found = {("w", 0): _snap(50), ("w", 1): _snap(70)}
+    found: dict[RankKey, Found] = {("w", 0): _snap(50), ("w", 1): _snap(70)}
     found[("w", 1)] = RankSnapshot(v=SNAPSHOT_VERSION, worker="w", dp_rank=1, epoch=1, taken_at=1.0, through="y",
                                    stream_seq=70)
     plan = stream_opening(found, held)

@@ -6,7 +6,7 @@ cases by name.)"""
 
 from __future__ import annotations
 
-from bridge.client.bootstrap import LiveGate, splice_buffer, stream_opening
+from bridge.client.bootstrap import Found, LiveGate, RankKey, splice_buffer, stream_opening
 from bridge.client.subscribe import BusMessage
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
@@ -49,7 +49,7 @@ def test_a_rank_the_buffer_shows_but_no_fetch_covered_is_marked_before_its_first
 
 
 def test_the_stream_is_read_from_the_oldest_snapshot_on_each_rank_skipping_its_own() -> None:
-    found = {("w", 0): _snap(0, "a", stream_seq=10), ("w", 1): _snap(1, "b", stream_seq=4)}
+    found: dict[RankKey, Found] = {("w", 0): _snap(0, "a", stream_seq=10), ("w", 1): _snap(1, "b", stream_seq=4)}
     plan = stream_opening(found, first_seq=3)
     assert plan.items == [found[("w", 0)], found[("w", 1)]] and plan.start_seq == 5
     gate = LiveGate(found, plan.skip_seq)
