@@ -1,14 +1,16 @@
+from typing import cast
+
 import msgspec
 
 from bridge.apps.demo.wire_writer import cleared, encode_batch, removed, stored
-from bridge.contract import AllBlocksCleared, BlockRemoved, BlockStored
+from bridge.contract import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 from bridge.producer.decode.decoder import BatchDecodeError, BatchDecoder
 
 enc = msgspec.msgpack.Encoder().encode
 
 
 def test_decodes_a_hybrid_batch_with_bytes_and_int_hashes() -> None:
-    h = [b"\x01" * 32, b"\x02" * 32]
+    h: list[BlockHash] = [b"\x01" * 32, b"\x02" * 32]
     payload = encode_batch(
         12.5,
         [
@@ -22,6 +24,7 @@ def test_decodes_a_hybrid_batch_with_bytes_and_int_hashes() -> None:
     batch = BatchDecoder().decode(payload)
     assert batch.ts == 12.5 and batch.dp_rank == 1 and batch.rejected == []
     assert [type(e) for e in batch.events] == [BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
+    assert isinstance(batch.events[0], BlockStored) and isinstance(batch.events[1], BlockStored)
     assert batch.events[0].block_hashes == h
     assert batch.events[1].block_hashes == [7, 8] and batch.events[1].parent_block_hash == 6
 
@@ -34,6 +37,7 @@ def test_tolerates_unknown_keys_extra_array_fields_and_legacy_events() -> None:
     payload = enc([1.0, [future, legacy], 0, "extra-array-field", 42])
     batch = BatchDecoder().decode(payload)
     assert batch.rejected == []
+    assert isinstance(batch.events[0], BlockStored) and isinstance(batch.events[1], BlockStored)
     assert batch.events[0].kv_cache_spec_kind == "sliding_window"
     assert batch.events[1].group_idx is None and batch.events[1].kv_cache_spec_kind is None
 
@@ -85,7 +89,8 @@ def test_token_ids_that_are_no_array_cost_only_their_event() -> None:
     bad["token_ids"] = "not tokens"
     for relay in (True, False):
         batch = BatchDecoder(relay=relay).decode(enc([1.0, [bad, good]]))
-        assert len(batch.events) == 1 and batch.events[0].block_hashes == [b"\x02" * 32]
+        assert len(batch.events) == 1 and isinstance(batch.events[0], BlockStored)
+        assert batch.events[0].block_hashes == [b"\x02" * 32]
         assert [reason for reason, _ in batch.rejected] == ["bad_event"]
 
 
@@ -110,7 +115,8 @@ def test_array_events_of_the_oldest_releases_decode_into_the_same_structs() -> N
         assert batch.rejected == [] and batch.dp_rank is None and batch.ts == 4.0
         store, removal, clear = batch.events
         assert isinstance(store, BlockStored) and store.block_hashes == [-5, 9] and store.block_size == 2
-        got = msgspec.msgpack.decode(store.token_ids) if relay else store.token_ids  # type: ignore[arg-type]
+        # the relay leaves token ids undecoded (msgspec.Raw)
+        got = msgspec.msgpack.decode(cast(msgspec.Raw, store.token_ids)) if relay else store.token_ids
         assert got == tokens
         assert store.medium is None and store.group_idx is None and store.kv_cache_spec_kind is None
         assert type(removal) is BlockRemoved and removal.block_hashes == [-5] and removal.medium is None
@@ -141,7 +147,7 @@ def test_a_publisher_switching_encodings_keeps_decoding() -> None:
     as_array = enc([2.0, [["BlockStored", [b"\x01" * 32], None, [1], 16, None, "GPU"]]])
     for payload in (as_map, as_array, as_array, as_map, as_array):
         batch = decoder.decode(payload)
-        assert batch.rejected == [] and [e.block_hashes for e in batch.events] == [[b"\x01" * 32]]
+        assert batch.rejected == [] and [cast(BlockStored, e).block_hashes for e in batch.events] == [[b"\x01" * 32]]
 
 
 def test_one_bad_array_event_costs_only_itself() -> None:

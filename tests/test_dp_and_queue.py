@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.wire_writer import encode_batch, stored
+from bridge.contract import GroupMessage
 from bridge.producer.sink.encode import Outgoing
 from bridge.producer.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.runtime.nats_server import NatsServerProcess, free_port
@@ -50,8 +52,9 @@ async def test_each_dp_rank_has_its_own_subjects_and_seq(nats_server: NatsServer
     by_subject: dict[str, list[int]] = {}
     for r in bus.items:
         if not r.subject.endswith(".worker"):
+            assert isinstance(r.body, GroupMessage)
             by_subject.setdefault(r.subject, []).append(r.body.seq)
-            assert r.body.events[0].block_hashes[0][0] == r.body.dp_rank
+            assert cast(bytes, r.body.events[0].block_hashes[0])[0] == r.body.dp_rank  # published as bytes
     assert by_subject == {"kv.w.0": list(range(6)), "kv.w-dp1.0": list(range(6))}
 
 

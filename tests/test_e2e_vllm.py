@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import anyio
 import pytest
 
 from bridge.contract import BlockRemoved as WireRemoved
 from bridge.contract import BlockStored as WireStored
+from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.telemetry.metrics import MALFORMED_REASONS
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, make_settings, metric, running_bridge
@@ -87,6 +89,7 @@ async def test_every_vllm_event_arrives_once_in_order_on_its_subject(nats_server
         if received.subject.endswith(".worker"):
             assert received.subject == f"kv.{worker_token}.worker"
             continue
+        assert isinstance(body, GroupMessage)
         assert received.subject == f"kv.{worker_token}.{body.group}"
         assert body.worker == "pod.a b*>" and body.dp_rank == 0 and body.topic == "kv"
         assert {0: "attention", 1: "window", 2: "state"}[body.group] == body.family
@@ -107,13 +110,14 @@ async def test_every_vllm_event_arrives_once_in_order_on_its_subject(nats_server
         state = mine[2].events
         assert state[0].block_hashes == sent[2].block_hashes
         assert state[1].block_hashes == [sent[3].block_hashes[-1]]
+        assert isinstance(state[1], WireStored)
         assert state[1].parent_block_hash == sent[3].block_hashes[-2] and state[1].token_ids == []
         if i % 3 == 2:
             assert isinstance(state[2], WireRemoved) and state[2].block_hashes == sent[6].block_hashes
     cleared = bus.records("cleared")[0]
     assert cleared.seq == 11
     # the clear comes after the last batch's group messages and before the stop record
-    order = [(r.body.type if r.subject.endswith(".worker") else "group") for r in bus.items]
+    order = [(cast(WorkerRecord, r.body).type if r.subject.endswith(".worker") else "group") for r in bus.items]
     assert order.index("cleared") > max(i for i, o in enumerate(order) if o == "group")
     assert order[0] == "start" and order[-1] == "stop"
 
@@ -138,5 +142,6 @@ async def test_int_hashes_and_legacy_events_pass_through(nats_server: NatsServer
         await bus.close()
     msg = bus.groups()[0]
     assert (msg.group, msg.kind, msg.family, msg.kind_source) == (0, "full_attention", "attention", "legacy")
+    assert isinstance(msg.events[0], WireStored)
     assert msg.events[0].block_hashes == [2**63 + 5, 7] and msg.events[0].parent_block_hash == 3
     assert msg.events[1].block_hashes == [7]

@@ -80,7 +80,7 @@ STORE = {"type": "BlockStored", "block_hashes": [b"h" * 32], "parent_block_hash"
 REMOVAL = {"type": "BlockRemoved", "medium": "GPU", "group_idx": 0}
 
 # name: (payload builder, the gap reason its batch must get, or None)
-FRAMES: dict[str, tuple[Callable[[], bytes], str | None]] = {
+FRAMES: dict[str, tuple[Callable[[int], bytes], str | None]] = {
     "clears": (lambda n: _fill(n, CLEAR_MAP), None),
     "clears_as_arrays": (lambda n: _fill(n, enc(["AllBlocksCleared"])), None),
     "store_clear_alternating": (lambda n: _fill(n, enc(["BlockStored", [b"c"], None, [], 16, None, "GPU"]) + CLEAR_MAP, 2),
@@ -186,7 +186,7 @@ class _Bus:
         headers = msg.headers or {}
         if headers.get(HDR_RECORD) == "gap":
             rec = BusCodec().decode(msg.subject, headers, msg.data)
-            assert isinstance(rec, WorkerRecord)
+            assert isinstance(rec, WorkerRecord) and rec.gap_from is not None
             self.gaps[rec.gap_from] = rec.reason
         elif HDR_SEQ in headers and HDR_RECORD not in headers:
             self.seqs.add(int(headers[HDR_SEQ]))

@@ -34,7 +34,8 @@ async def stream_contents(url: str, stream: str = "KV_EVENTS") -> list[tuple[str
     out: list[tuple[str, GroupMessage | WorkerRecord]] = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         raw = await js.get_msg(stream, seq)
-        type_ = WorkerRecord if raw.subject.endswith(".worker") else GroupMessage
+        assert raw.subject is not None and raw.data is not None
+        type_: type[GroupMessage | WorkerRecord] = WorkerRecord if raw.subject.endswith(".worker") else GroupMessage
         out.append((raw.subject, msgspec.msgpack.decode(raw.data, type=type_)))
     await nc.close()
     return out

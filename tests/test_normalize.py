@@ -5,12 +5,12 @@ hostile batch (or a stream of them) from costing unbounded messages or memory.""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
 
-from bridge.contract import MAX_GROUP_ID, GroupMessage, WorkerRecord, decoder_for, parse_group_kind
+from bridge.contract import MAX_GROUP_ID, BlockStored, GroupMessage, WorkerRecord, decoder_for, parse_group_kind
 from bridge.producer.decode.decoder import BatchDecoder
 from bridge.producer.normalize import normalizer as normalizer_module
 from bridge.producer.normalize.normalizer import (
@@ -220,6 +220,7 @@ def test_a_window_group_of_placeholders_only_goes_out_once_as_its_shape() -> Non
     placeholder = stored_map([H[1]], 1, "sliding_window", medium="CPU", block_size=0,
                              kv_cache_spec_sliding_window=80)
     (shape,) = groups(run.batch([placeholder]))[1].events
+    assert isinstance(shape, BlockStored)
     assert (shape.block_hashes, shape.medium, shape.kv_cache_spec_sliding_window) == ([], "CPU", 80)
     assert run.stats.dropped["window_placeholder"] == 0
     assert groups(run.batch([placeholder])) == {}
@@ -262,7 +263,7 @@ def test_a_batch_yields_a_bounded_number_of_messages() -> None:
     assert len(items) == MAX_MESSAGES_PER_BATCH
     assert run.stats.malformed == {TOO_MANY_MESSAGES: 300 - MAX_MESSAGES_PER_BATCH}
     # the batch is cut at the bound, in order: what went before it is whole
-    assert [i.group for i in items] == list(range(MAX_MESSAGES_PER_BATCH))
+    assert [cast(GroupMessage, i).group for i in items] == list(range(MAX_MESSAGES_PER_BATCH))
 
 
 def test_clears_between_events_count_toward_the_bound() -> None:

@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import cast
 
 import anyio
 import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.workload import HybridWorkload
+from bridge.contract import WorkerRecord
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, endpoints
 
@@ -91,7 +93,8 @@ async def test_sigterm_drains_everything_received_and_exits_zero(nats_server: Na
         pub.close()
         await bus.close()
     assert bus.seqs() == list(range(sent))
-    assert bus.items[-1].body.type == "stop"
+    assert cast(WorkerRecord, bus.items[-1].body).type == "stop"
+    assert proc.stderr is not None
     logs = [json.loads(line) for line in proc.stderr.read().decode().splitlines() if line.startswith("{")]
     assert any(entry["event"] == "bridge_stopped" and entry["left"] == 0 for entry in logs)
 

@@ -3,6 +3,7 @@
 import pytest
 
 from bridge.apps.demo.wire_writer import cleared, encode_batch, removed, stored
+from bridge.contract import BlockHash
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -10,7 +11,7 @@ kv = pytest.importorskip("vllm.distributed.kv_events")
 def test_wire_writer_matches_vllms_encoder_byte_for_byte() -> None:
     import msgspec
 
-    h = [b"\x01" * 32, b"\x02" * 32]
+    h: list[BlockHash] = [b"\x01" * 32, b"\x02" * 32]
     ours = encode_batch(1.5, [
         stored(h, None, [1, 2, 3], 16, group_idx=0, kind="full_attention"),
         stored([h[1]], h[0], [], 16, medium="CPU", group_idx=1, kind="sliding_window", sliding_window=64),

@@ -85,6 +85,13 @@ def workload(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
+def the_workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workload (`workload`) of a rendering that must have one."""
+    found = workload(docs)
+    assert found is not None, "expected a Deployment or StatefulSet"
+    return found
+
+
 def sidecar_of(pod_spec: dict[str, Any]) -> dict[str, Any]:
     matches = [c for c in pod_spec.get("initContainers", []) if c["name"] == "kv-bridge"]
     assert len(matches) == 1, "exactly one kv-bridge init container expected"

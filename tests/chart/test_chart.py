@@ -32,6 +32,7 @@ from tests.chart.helmutil import (
     render,
     sidecar_of,
     sidecar_patch,
+    the_workload,
     tool,
     validate,
     vllm_of,
@@ -98,7 +99,7 @@ def test_default_rendering_objects() -> None:
 
 @pytest.mark.parametrize("values", WORKLOAD_FILES, ids=[p.name for p in WORKLOAD_FILES])
 def test_sidecar_is_a_native_sidecar(values: Path) -> None:
-    spec = workload(render(values))["spec"]["template"]["spec"]
+    spec = the_workload(render(values))["spec"]["template"]["spec"]
     side = sidecar_of(spec)
     assert side["restartPolicy"] == "Always"
     assert "kv-bridge" not in [c["name"] for c in spec["containers"]]
@@ -110,7 +111,7 @@ def test_sidecar_probes_never_restart_it_for_nats(values: Path) -> None:
     """Readiness is /readyz, so a bridge NATS refuses shows NotReady; the
     liveness/startup probes hit /healthz (the bridge's own loop), never /readyz:
     a NATS outage is no reason to restart the sidecar or delay vLLM's start."""
-    side = sidecar_of(workload(render(values))["spec"]["template"]["spec"])
+    side = sidecar_of(the_workload(render(values))["spec"]["template"]["spec"])
     assert side["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kvb-metrics"}
     for name in ("startupProbe", "livenessProbe"):
         probe = side[name]
@@ -125,7 +126,7 @@ def test_sidecar_probes_never_restart_it_for_nats(values: Path) -> None:
 
 @pytest.mark.parametrize("values", WORKLOAD_FILES, ids=[p.name for p in WORKLOAD_FILES])
 def test_sidecar_security_context(values: Path) -> None:
-    spec = workload(render(values))["spec"]["template"]["spec"]
+    spec = the_workload(render(values))["spec"]["template"]["spec"]
     side = sidecar_of(spec)
     sc = side["securityContext"]
     assert sc["runAsNonRoot"] is True
@@ -142,7 +143,7 @@ def test_sidecar_security_context(values: Path) -> None:
 
 @pytest.mark.parametrize("values", WORKLOAD_FILES, ids=[p.name for p in WORKLOAD_FILES])
 def test_worker_id_from_downward_api(values: Path) -> None:
-    spec = workload(render(values))["spec"]["template"]["spec"]
+    spec = the_workload(render(values))["spec"]["template"]["spec"]
     env = env_map(sidecar_of(spec))
     for name in ("POD_NAME", "KVB_WORKER_ID"):
         assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", name
@@ -150,7 +151,7 @@ def test_worker_id_from_downward_api(values: Path) -> None:
 
 @pytest.mark.parametrize("values", WORKLOAD_FILES, ids=[p.name for p in WORKLOAD_FILES])
 def test_vllm_kv_events_wired_to_the_sidecar(values: Path) -> None:
-    spec = workload(render(values))["spec"]["template"]["spec"]
+    spec = the_workload(render(values))["spec"]["template"]["spec"]
     env = env_map(sidecar_of(spec))
     args = vllm_of(spec)["args"]
     cfg = json.loads(args[args.index("--kv-events-config") + 1])
@@ -171,27 +172,27 @@ def test_vllm_kv_events_wired_to_the_sidecar(values: Path) -> None:
 
 
 def test_the_sidecar_reads_vllms_publishers_by_default() -> None:
-    spec = workload(render(None))["spec"]["template"]["spec"]
+    spec = the_workload(render(None))["spec"]["template"]["spec"]
     env = env_map(sidecar_of(spec))
     assert env["KVB_VLLM_URL"]["value"] == "http://127.0.0.1:8000"
-    spec = workload(render(None, "vllm.port=8080"))["spec"]["template"]["spec"]
+    spec = the_workload(render(None, "vllm.port=8080"))["spec"]["template"]["spec"]
     assert env_map(sidecar_of(spec))["KVB_VLLM_URL"]["value"] == "http://127.0.0.1:8080"
-    spec = workload(render(None, "bridge.vllmUrl=http://10.0.0.5:9000"))["spec"]["template"]["spec"]
+    spec = the_workload(render(None, "bridge.vllmUrl=http://10.0.0.5:9000"))["spec"]["template"]["spec"]
     assert env_map(sidecar_of(spec))["KVB_VLLM_URL"]["value"] == "http://10.0.0.5:9000"
-    spec = workload(render(None, "bridge.vllmUrl="))["spec"]["template"]["spec"]
+    spec = the_workload(render(None, "bridge.vllmUrl="))["spec"]["template"]["spec"]
     env = env_map(sidecar_of(spec))
     assert "KVB_VLLM_URL" not in env and env["KVB_ZMQ_ENDPOINT"]["value"] == "tcp://127.0.0.1:5557"
 
 
 def test_replay_can_be_disabled() -> None:
-    spec = workload(render(None, "kvEvents.replayPort=0", "bridge.vllmUrl="))["spec"]["template"]["spec"]
+    spec = the_workload(render(None, "kvEvents.replayPort=0", "bridge.vllmUrl="))["spec"]["template"]["spec"]
     args = vllm_of(spec)["args"]
     assert "replay_endpoint" not in json.loads(args[args.index("--kv-events-config") + 1])
     assert "KVB_REPLAY_ENDPOINT" not in env_map(sidecar_of(spec))
 
 
 def test_env_and_args_reach_the_sidecar() -> None:
-    spec = workload(render(CI["jetstream"]))["spec"]["template"]["spec"]
+    spec = the_workload(render(CI["jetstream"]))["spec"]["template"]["spec"]
     side = sidecar_of(spec)
     assert side["args"] == ["run", "--heartbeat-interval", "2"]
     env = {k: v.get("value") for k, v in env_map(side).items()}
@@ -244,7 +245,7 @@ def test_group_kinds_and_extra_env_in_sidecar_mode() -> None:
 
 
 def test_gpu_and_model_from_values() -> None:
-    spec = workload(render(CI["defaults"]))["spec"]["template"]["spec"]
+    spec = the_workload(render(CI["defaults"]))["spec"]["template"]["spec"]
     vllm = vllm_of(spec)
     assert vllm["command"] == ["vllm", "serve"]
     assert vllm["args"][0] == "Qwen/Qwen3-0.6B"
@@ -257,15 +258,15 @@ def test_gpu_and_model_from_values() -> None:
 
 def test_image_tag_defaults_to_app_version_and_digest_wins() -> None:
     chart = load_all((CHART / "Chart.yaml").read_text())[0]
-    side = sidecar_of(workload(render(CI["defaults"]))["spec"]["template"]["spec"])
+    side = sidecar_of(the_workload(render(CI["defaults"]))["spec"]["template"]["spec"])
     assert side["image"] == f"kv-bridge:{chart['appVersion']}"
-    side = sidecar_of(workload(render(CI["tls"]))["spec"]["template"]["spec"])
+    side = sidecar_of(the_workload(render(CI["tls"]))["spec"]["template"]["spec"])
     assert re.fullmatch(r"registry\.example\.com/ml/kv-bridge@sha256:[0-9a-f]{64}", side["image"])
 
 
 def test_statefulset_mode() -> None:
     docs = render(CI["tls"])
-    sts = workload(docs)
+    sts = the_workload(docs)
     assert sts["kind"] == "StatefulSet"
     assert sts["spec"]["replicas"] == 2
     headless = [s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"]
@@ -296,7 +297,7 @@ def _assert_no_inlined_secrets(docs: list[dict[str, Any]]) -> None:
 def test_tls_and_creds_come_from_mounted_secrets() -> None:
     docs = render(CI["tls"])
     _assert_no_inlined_secrets(docs)
-    spec = workload(docs)["spec"]["template"]["spec"]
+    spec = the_workload(docs)["spec"]["template"]["spec"]
     side = sidecar_of(spec)
     env = env_map(side)
     assert env["KVB_NATS_URL"]["value"].startswith("tls://")
@@ -320,7 +321,7 @@ def test_tls_and_creds_come_from_mounted_secrets() -> None:
 def test_url_and_token_from_secrets() -> None:
     docs = render(CI["jetstream"])
     _assert_no_inlined_secrets(docs)
-    spec = workload(docs)["spec"]["template"]["spec"]
+    spec = the_workload(docs)["spec"]["template"]["spec"]
     env = env_map(sidecar_of(spec))
     assert env["KVB_NATS_URL"] == {
         "name": "KVB_NATS_URL", "valueFrom": {"secretKeyRef": {"name": "kv-bridge-nats", "key": "url"}},
@@ -330,7 +331,7 @@ def test_url_and_token_from_secrets() -> None:
 
 
 def test_no_secret_volume_without_secrets() -> None:
-    spec = workload(render(CI["defaults"]))["spec"]["template"]["spec"]
+    spec = the_workload(render(CI["defaults"]))["spec"]["template"]["spec"]
     assert "kv-bridge-nats-secrets" not in [v["name"] for v in spec["volumes"]]
     env = env_map(sidecar_of(spec))
     assert env["KVB_NATS_URL"]["value"] == "nats://nats:4222"
@@ -358,7 +359,7 @@ def test_nats_url_is_required() -> None:
 
 
 def test_nats_url_goes_through_tpl() -> None:
-    spec = workload(render(None, "bridge.nats.url=nats://{{ .Release.Name }}-nats:4222"))["spec"]["template"]["spec"]
+    spec = the_workload(render(None, "bridge.nats.url=nats://{{ .Release.Name }}-nats:4222"))["spec"]["template"]["spec"]
     assert env_map(sidecar_of(spec))["KVB_NATS_URL"]["value"] == f"nats://{RELEASE}-nats:4222"
 
 
@@ -452,7 +453,7 @@ def test_podmonitor_selects_the_sidecar_pods(name: str) -> None:
     (pm,) = by_kind(docs, "PodMonitor")
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
     if name == "jetstream":
-        pod = workload(docs)["spec"]["template"]
+        pod = the_workload(docs)["spec"]["template"]
     else:
         pod = load_all(sidecar_patch(docs)["data"]["sidecar-patch.yaml"])[0]["spec"]["template"]
     selector = pm["spec"]["selector"]["matchLabels"]
@@ -542,7 +543,7 @@ def test_stack_points_the_bridge_at_its_nats(tmp_path: Path, release: str, url: 
     (stack / "Chart.yaml").write_text(json.dumps(chart))
     helm("dependency", "build", str(stack))
     docs = load_all(helm("template", release, str(stack), "--namespace", NAMESPACE).stdout)
-    env = env_map(sidecar_of(workload(docs)["spec"]["template"]["spec"]))
+    env = env_map(sidecar_of(the_workload(docs)["spec"]["template"]["spec"]))
     assert env["KVB_NATS_URL"]["value"] == url
     packaged = {p.name for p in (stack / "charts").iterdir()}
     assert packaged == {f"kv-bridge-{load_all((CHART / 'Chart.yaml').read_text())[0]['version']}.tgz"}

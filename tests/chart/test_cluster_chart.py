@@ -30,6 +30,7 @@ from tests.chart.helmutil import (
     render,
     sidecar_of,
     sidecar_patch,
+    the_workload,
     tool,
     vllm_of,
     workload,
@@ -50,7 +51,7 @@ def _pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def test_each_pod_mounts_only_its_own_credentials() -> None:
     docs = render(CLUSTER)
-    assert workload(docs)["kind"] == "StatefulSet"
+    assert the_workload(docs)["kind"] == "StatefulSet"
     spec = _pod_spec(docs)
     side = sidecar_of(spec)
     env = env_map(side)

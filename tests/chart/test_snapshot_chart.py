@@ -23,8 +23,8 @@ from tests.chart.helmutil import (
     render,
     sidecar_of,
     sidecar_patch,
+    the_workload,
     tool,
-    workload,
 )
 
 pytestmark = pytest.mark.skipif(tool("helm") is None, reason=f"helm is not installed: {INSTALL_HINT}")
@@ -35,7 +35,7 @@ SNAPSHOT_ENV = ("KVB_SNAPSHOTS", "KVB_SNAPSHOT_BUCKET", "KVB_SNAPSHOT_INTERVAL",
 
 
 def _sidecar_env(docs: list[dict[str, Any]]) -> dict[str, str | None]:
-    side = sidecar_of(workload(docs)["spec"]["template"]["spec"])  # type: ignore[index]
+    side = sidecar_of(the_workload(docs)["spec"]["template"]["spec"])
     return {k: v.get("value") for k, v in env_map(side).items()}
 
 

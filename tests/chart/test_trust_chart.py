@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.chart.helmutil import INSTALL_HINT, K8S_VERSIONS, by_kind, env_map, render, sidecar_of, tool, validate, workload
+from tests.chart.helmutil import INSTALL_HINT, K8S_VERSIONS, by_kind, env_map, render, sidecar_of, the_workload, tool, validate
 
 pytestmark = pytest.mark.skipif(tool("helm") is None, reason=f"helm is not installed: {INSTALL_HINT}")
 
@@ -56,9 +56,9 @@ def test_observe_without_its_own_uses_the_bridges_access() -> None:
 
 
 def test_sidecar_readiness_on_readyz_by_default_and_off_when_asked() -> None:
-    side = sidecar_of(workload(render(None))["spec"]["template"]["spec"])
+    side = sidecar_of(the_workload(render(None))["spec"]["template"]["spec"])
     assert side["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kvb-metrics"}
     assert side["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert side["startupProbe"]["httpGet"]["path"] == "/healthz"
-    off = sidecar_of(workload(render(None, "bridge.readinessProbe.enabled=false"))["spec"]["template"]["spec"])
+    off = sidecar_of(the_workload(render(None, "bridge.readinessProbe.enabled=false"))["spec"]["template"]["spec"])
     assert "readinessProbe" not in off and off["livenessProbe"]["httpGet"]["path"] == "/healthz"

@@ -12,6 +12,7 @@ import nats
 import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
+from bridge.contract import BlockHash
 from bridge.runtime.nats_server import free_port
 from tests.cluster.harness import NatsCluster, read_stream
 from tests.faults.harness import BridgeProcess, fault_batch, http_get, ident, wait_http
@@ -55,7 +56,7 @@ async def test_a_cluster_without_jetstream_quorum_keeps_the_bridge_waiting(clust
         with anyio.fail_after(30):
             while True:
                 stored = await read_stream(cluster.urls)
-                lookup = {ident(0, k): k for k in range(40)}
+                lookup: dict[BlockHash, int] = {ident(0, k): k for k in range(40)}
                 seen = {lookup.get(s.body.events[0].block_hashes[0]) for s in stored
                         if hasattr(s.body, "events") and s.body.events and s.body.events[0].block_hashes}
                 if set(range(40)) <= seen:

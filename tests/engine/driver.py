@@ -27,7 +27,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import ZmqEventPublisher
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core_client import InprocClient
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -62,10 +67,10 @@ class Engine:
             model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
             enable_prefix_caching=True, kv_events_config=events, **spec.get("llm", {}),
         )
-        core = self.llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
-        self.scheduler = core.scheduler
+        core = cast("InprocClient", self.llm.llm_engine.engine_core).engine_core  # InprocClient -> EngineCore
+        self.scheduler = cast("Scheduler", core.scheduler)  # the default scheduler: none is configured
         self.manager = self.scheduler.kv_cache_manager
-        self.publisher = self.scheduler.kv_event_publisher
+        self.publisher = cast("ZmqEventPublisher", self.scheduler.kv_event_publisher)  # publisher="zmq"
 
     def info(self) -> dict[str, Any]:
         config = self.manager.kv_cache_config

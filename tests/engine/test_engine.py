@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from bridge.client import ChainHasher, as_int
-from bridge.contract import ATTENTION
+from bridge.contract import ATTENTION, BlockHash
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import wait_until
 from tests.engine.harness import ROOT, Bus, Engine, bus_index, kv_bridge_process, ports, requires_engine
@@ -150,7 +150,7 @@ class Run:
             return out
         for g, res in view.groups.items():
             assert not res.suspect_count(), f"group {g} has suspect entries: a gap in a loss-free run"
-            table = res.trusted.get("GPU", {})
+            table: Mapping[BlockHash, int] = res.trusted.get("GPU", {})
             if table:
                 out[str(g)] = {_key(h): n for h, n in table.items()}
         return out
@@ -303,7 +303,8 @@ def _verdict(run: Run) -> None:
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
     """The engines of the models this session runs, all launched at once."""
     names = {item.callspec.params["name"] for item in request.session.items
-             if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
+             if isinstance(item, pytest.Function) and item.module is request.module
+             and "name" in getattr(getattr(item, "callspec", None), "params", {})}
     workdir = tmp_path_factory.mktemp("engines")
     taken: set[int] = set()
     launched: dict[str, Engine] = {}

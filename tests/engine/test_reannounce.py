@@ -12,8 +12,10 @@ position of a state group.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from bridge.client import ResidencyIndex
-from bridge.contract import BlockRemoved, BlockStored, GroupMessage
+from bridge.contract import BlockHash, BlockRemoved, BlockStored, GroupMessage
 from tests.client.builders import hb, msg
 
 B = 32
@@ -21,10 +23,10 @@ WINDOW = 80  # vLLM needs ceil(79 / 32) = 3 window blocks before a hit
 STATE_G, WIN_G, ATTN_G = 0, 1, 2  # Qwen3-Next / granite order: state groups first
 KIND = {STATE_G: "mamba", WIN_G: "sliding_window", ATTN_G: "full_attention"}
 
-h = [hb(i) for i in range(8)]
+h: list[BlockHash] = [hb(i) for i in range(8)]
 
 
-def _stored(group: int, hashes: list[bytes], parent: bytes | None, tokens: int) -> BlockStored:
+def _stored(group: int, hashes: list[BlockHash], parent: BlockHash | None, tokens: int) -> BlockStored:
     return BlockStored(
         block_hashes=hashes, parent_block_hash=parent,
         token_ids=[] if KIND[group] == "mamba" else list(range(tokens)),  # the bridge strips state tokens
@@ -42,11 +44,11 @@ def _apply(index: ResidencyIndex, messages: list[GroupMessage]) -> None:
         index.apply(m)
 
 
-def _copies(index: ResidencyIndex, group: int) -> dict[bytes, int]:
+def _copies(index: ResidencyIndex, group: int) -> dict[BlockHash, int]:
     view = index.view("w", 0)
     assert view is not None
-    table = view.groups[group].trusted.get("GPU", {})
-    return {k: n for k, n in table.items()}  # type: ignore[misc]
+    table: Mapping[BlockHash, int] = view.groups[group].trusted.get("GPU", {})
+    return {k: n for k, n in table.items()}
 
 
 def _first_request(index: ResidencyIndex) -> None:

@@ -213,5 +213,6 @@ def test_non_finite_ts_reaches_json_consumers_intact() -> None:
             continue  # refused: counted as bad_batch, nothing unreadable published
         items = Normalizer(KindBook({}), False).normalize(
             StreamIdentity("w", 0, "", 1), 0, batch.ts, batch.events, time.time(), NormalizeStats())
+        assert isinstance(items[0], GroupMessage)
         out = MessageEncoder("json").group(items[0], SubjectBook("kv", "w", 0), "w:0:1")
         decoder_for("json", GroupMessage).decode(out.payload)

@@ -85,7 +85,7 @@ def _messages_for(worker: str, topic: str, kind: str, prefix: str = "kv") -> lis
                         medium="GPU", lora_name=None, group_idx=1, kv_cache_spec_kind=kind)
     items = Normalizer(KindBook({}), False).normalize(ident, 5, 1.0, [event], time.time(), NormalizeStats())
     token = worker_token(worker, 3)
-    out = []
+    out: list[tuple[str, dict[str, str], object, bytes]] = []
     for fmt in ("msgpack", "json"):
         encoder = MessageEncoder(fmt)
         for item in items:

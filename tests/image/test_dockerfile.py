@@ -36,7 +36,9 @@ def _runtime_stage() -> list[tuple[str, str]]:
 
 @pytest.mark.skipif(tool("hadolint") is None, reason=f"hadolint is not installed: {INSTALL_HINT}")
 def test_hadolint_clean() -> None:
-    cmd = [tool("hadolint"), "--no-color"]
+    hadolint = tool("hadolint")
+    assert hadolint is not None
+    cmd = [hadolint, "--no-color"]
     if (REPO / ".hadolint.yaml").exists():
         cmd += ["--config", str(REPO / ".hadolint.yaml")]
     proc = subprocess.run([*cmd, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import nats
@@ -32,7 +32,7 @@ from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.apps.fleet import ObserveOptions, ObserveService
 from bridge.client.chain import ChainHasher
 from bridge.client.connection import settings_for
-from bridge.contract import Event
+from bridge.contract import BlockHash, Event
 from bridge.residency.hashes import as_int
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
@@ -44,7 +44,7 @@ N = 8  # blocks of the request
 TOKENS = list(range(N * BS))
 # vLLM's default int form of the request's block hashes (sha256 chain).
 CHAIN = [as_int(h) for h in ChainHasher(BS).chain(TOKENS)]
-WINDOW = {"kind": "sliding_window", "sliding_window": 32}  # 2 blocks of 16 seen
+WINDOW: dict[str, Any] = {"kind": "sliding_window", "sliding_window": 32}  # 2 blocks of 16 seen
 
 
 def _hybrid(window_from: int, checkpoint: int, medium: str = "GPU") -> list[Event]:
@@ -53,15 +53,15 @@ def _hybrid(window_from: int, checkpoint: int, medium: str = "GPU") -> list[Even
     a mamba checkpoint at `checkpoint`."""
     last = N if medium == "GPU" else checkpoint + 1
     return [
-        stored(CHAIN, None, TOKENS, BS, medium=medium, group_idx=0, kind="full_attention"),
-        stored(CHAIN[window_from:last], CHAIN[window_from - 1], TOKENS[window_from * BS:last * BS], BS,
-               medium=medium, group_idx=1, **WINDOW),  # type: ignore[arg-type]
+        stored(cast("list[BlockHash]", CHAIN), None, TOKENS, BS, medium=medium, group_idx=0, kind="full_attention"),
+        stored(cast("list[BlockHash]", CHAIN[window_from:last]), CHAIN[window_from - 1], TOKENS[window_from * BS:last * BS],
+               BS, medium=medium, group_idx=1, **WINDOW),
         stored([CHAIN[checkpoint]], CHAIN[checkpoint - 1], [], BS, medium=medium, group_idx=2, kind="mamba"),
     ]
 
 
 def _attention(blocks: int, medium: str = "GPU") -> Event:
-    return stored(CHAIN[:blocks], None, TOKENS[:blocks * BS], BS, medium=medium, group_idx=0,
+    return stored(cast("list[BlockHash]", CHAIN[:blocks]), None, TOKENS[:blocks * BS], BS, medium=medium, group_idx=0,
                   kind="full_attention")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import cast
 
 import anyio
 import nats
@@ -16,6 +17,7 @@ from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.apps.fleet import ObserveOptions, ObserveService
 from bridge.client.chain import ChainHasher
 from bridge.client.connection import settings_for
+from bridge.contract import BlockHash, Event
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge
 
@@ -51,9 +53,12 @@ async def test_prefix_over_http_and_nats(nats_server: NatsServerProcess) -> None
             port = await tg.start(service.run, settings_for(nats_server.url))
             assert (await _http(port, "GET", "/readyz"))[0] == 200
             # attention holds 5 blocks, the window (2 blocks wide) blocks 2-5, the state group a checkpoint at block 3 only
-            events = [stored(chain, None, tokens, BS, group_idx=0, kind="full_attention"),
-                      stored(chain[1:], None, tokens, BS, group_idx=1, kind="sliding_window", sliding_window=32),
-                      stored([chain[2]], None, [], BS, group_idx=2, kind="mamba")]
+            events: list[Event] = [
+                stored(cast("list[BlockHash]", chain), None, tokens, BS, group_idx=0, kind="full_attention"),
+                stored(cast("list[BlockHash]", chain[1:]), None, tokens, BS, group_idx=1, kind="sliding_window",
+                       sliding_window=32),
+                stored([chain[2]], None, [], BS, group_idx=2, kind="mamba"),
+            ]
             with anyio.fail_after(15):
                 while not service.state.index.views or not any(
                         g.resident("GPU") for v in service.state.index for g in v.groups.values()):

@@ -9,7 +9,7 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -19,6 +19,7 @@ from bridge.apps.demo.wire_writer import encode_batch, removed, stored
 from bridge.apps.fleet import ObserveOptions, ObserveService
 from bridge.client.chain import ChainHasher
 from bridge.client.connection import settings_for
+from bridge.contract import BlockHash
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import make_settings, running_bridge, wait_until
 from tests.observe.test_observe_api import _http
@@ -34,7 +35,7 @@ def _events(rng: random.Random, chains: list[list[bytes]], tokens: list[list[int
     for _ in range(rng.randrange(1, 4)):
         i = rng.randrange(len(chains))
         n = rng.randrange(1, len(chains[i]) + 1)
-        chain = chains[i][:n]
+        chain = cast("list[BlockHash]", chains[i][:n])
         out.append(stored(chain, None, tokens[i][:n * BS], BS, group_idx=0, kind="full_attention"))
         out.append(stored(chain[max(0, n - 2):], None, tokens[i][:n * BS], BS, group_idx=1, kind="sliding_window",
                           sliding_window=32))

@@ -8,6 +8,7 @@ import json
 import random
 import re
 import time
+from typing import cast
 
 import pytest
 
@@ -25,6 +26,7 @@ from bridge.apps.fleet.query import (
 from bridge.apps.fleet.state import ObserveState, hybrid_effect
 from bridge.client.chain import ALGOS, ChainHasher
 from bridge.client.subscribe import BusMessage
+from bridge.contract import BlockHash
 from tests.client.builders import ATTN, hb, msg, record, stored
 
 pytestmark = pytest.mark.anyio
@@ -110,6 +112,12 @@ def _series(text: str, family: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(family + "{")]
 
 
+def _worker_label(series: str) -> str:
+    m = re.search(r'worker="([^"]+)"', series)
+    assert m is not None, series
+    return m.group(1)
+
+
 async def test_per_worker_families_obey_the_cap_and_go_with_the_worker() -> None:
     state = ObserveState()
     index = state.index
@@ -122,8 +130,7 @@ async def test_per_worker_families_obey_the_cap_and_go_with_the_worker() -> None
     text = render(registry).decode()
     for family in ("kvobserve_prefix_blocks_total", "kvobserve_staleness_seconds", "kvobserve_gaps_total"):
         series = _series(text, family)
-        assert series and {re.search(r'worker="([^"]+)"', s).group(1) for s in series} <= \
-            {f"w{i:03}" for i in range(20)}, family  # type: ignore[union-attr]
+        assert series and {_worker_label(s) for s in series} <= {f"w{i:03}" for i in range(20)}, family
     assert len(_series(text, "kvobserve_prefix_blocks_total")) == 40
     assert "kvobserve_unlisted_worker_ranks 280.0" in text
 
@@ -200,7 +207,7 @@ async def test_a_digest_chain_is_asked_in_int_form_when_no_digest_is_held() -> N
     chain = [hb(i) for i in range(40)]
     state.index.apply(msg([stored([as_int(h) for h in chain[:30]])], worker="ints"))
     assert not state.index.fleet.holds_digests
-    ints = await int_form(chain)
+    ints = await int_form(cast("list[BlockHash]", chain))
     assert ints == [as_int(h) for h in chain] and await int_form(ints) is None
     q = PrefixQuery(chain=[h.hex() for h in chain])
     now = time.time()  # both asked at one instant, so their staleness agrees too

@@ -87,7 +87,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
     procs.append(demo)
     try:
         assert demo.stdout is not None
-        nats_url, bridges = "", []
+        nats_url = ""
+        bridges: list[tuple[str, int]] = []
         deadline = time.monotonic() + 60
         while len(bridges) < WORKERS and time.monotonic() < deadline:
             line = demo.stdout.readline().decode()
@@ -114,6 +115,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": [
             {"job_name": job, "scrape_timeout": "1s", "static_configs": static} for job, static in jobs.items()]}
         (tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+        assert PROMETHEUS is not None
         prom = subprocess.Popen(
             [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
              f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],

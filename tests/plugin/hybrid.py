@@ -20,11 +20,11 @@ import inspect
 import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ParallelConfig
-from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
@@ -135,6 +135,7 @@ def build_hybrid(
         "blocks_per_chunk": blocks_per_chunk,
         "self_describing_kv_events": self_describing,
     }
+    # A stand-in for VllmConfig with only the fields the offloading config reads.
     vllm_config = types.SimpleNamespace(
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector",
@@ -156,9 +157,9 @@ def build_hybrid(
             get_total_num_kv_heads=lambda: 2,
         ),
     )
-    offloading_config = build_offloading_config(vllm_config, kv_cache_config)
+    offloading_config = build_offloading_config(vllm_config, kv_cache_config)  # type: ignore[arg-type]
     spec = CPUOffloadingSpec(offloading_config)
-    config = SchedulerOffloadConfig.from_spec(spec, vllm_config, kv_cache_config)
+    config = SchedulerOffloadConfig.from_spec(spec, vllm_config, kv_cache_config)  # type: ignore[arg-type]
     return Hybrid(
         spec=spec,
         config=config,
@@ -229,11 +230,16 @@ def removed(keys: list[OffloadKey], medium: Medium = Medium.CPU, **kwargs: Any) 
     return OffloadingEvent(keys=list(keys), medium=medium, removed=True, **kwargs)
 
 
+def store_events(events: Iterable[KVCacheEvent]) -> list[BlockStored]:
+    """The tracker's events for a `stored` event, as a list: BlockStored only."""
+    return cast("list[BlockStored]", list(events))
+
+
 @dataclass
 class HybridRun:
     """What `patched_events` produced, with what a test needs to check it."""
 
-    events: list[KVCacheEvent]
+    events: list[BlockStored]
     request: Request
     hybrid: Hybrid
     num_chunks: int
@@ -258,5 +264,5 @@ def patched_events(num_chunks: int = 3, *, num_tokens: int | None = None) -> Hyb
     with patch.patched():
         tracker = hybrid.new_tracker()
         keys = record_chunks(tracker, hybrid, req, range(num_chunks))
-        events = list(tracker.take_events([stored(keys)]))
+        events = store_events(tracker.take_events([stored(keys)]))
     return HybridRun(events=events, request=req, hybrid=hybrid, num_chunks=num_chunks)

@@ -29,7 +29,7 @@ import msgspec
 import vllm.envs as vllm_envs
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading import events as vllm_events
 from vllm.lora.request import LoRARequest
-from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
 from bridge.plugin import compat
 from tests.plugin.hybrid import (
@@ -51,7 +51,7 @@ STORAGE_TIER: dict[str, Any] = dict(
 )
 
 
-def _event(keys: Sequence[bytes], removed: bool, **kwargs: Any) -> OffloadingEvent:
+def _event(keys: Sequence[OffloadKey], removed: bool, **kwargs: Any) -> OffloadingEvent:
     kwargs.setdefault("medium", Medium.CPU)
     return OffloadingEvent(keys=list(keys), removed=removed, **kwargs)
 
@@ -68,7 +68,7 @@ class Driver:
     def groups(self) -> list[int]:
         return [g for g in (ATTENTION, MAMBA, WINDOW) if g in self.hybrid.groups]
 
-    def keys(self, req: Any, chunks: Iterable[int]) -> list[bytes]:
+    def keys(self, req: Any, chunks: Iterable[int]) -> list[OffloadKey]:
         # Group-major, chunk-minor: the attention events of a step come first,
         # then the Mamba ones in the same chunk order, then the window's.
         chunk_list = list(chunks)
@@ -81,7 +81,7 @@ class Driver:
             for c in chunk_list:
                 getattr(self.tracker, method)(req, group, c, chunk_key(req, group, c))
 
-    def record_tail(self, method: str, req: Any, boundary: int) -> list[bytes]:
+    def record_tail(self, method: str, req: Any, boundary: int) -> list[OffloadKey]:
         keys = []
         for g in self.groups():
             group = self.hybrid.groups[g]

@@ -6,10 +6,12 @@ group's subject, each at the hash its attention chunk ends with."""
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import anyio
 import pytest
 
+from bridge.contract import BlockStored, GroupMessage
 from bridge.runtime.nats_server import NatsServerProcess, free_port
 from tests.busutil import BusCollector, make_settings, running_bridge
 from tests.plugin.hybrid import ATTENTION, MAMBA, WINDOW, patched_events
@@ -36,13 +38,14 @@ async def test_patched_mamba_checkpoints_reach_the_bus_as_state(nats_server: Nat
         publisher.shutdown()
         await bus.close()
     by_group = {g.group: g for g in bus.groups()}
-    subjects = {r.body.group: r.subject for r in bus.items if not r.subject.endswith(".worker")}
+    subjects = {cast(GroupMessage, r.body).group: r.subject for r in bus.items if not r.subject.endswith(".worker")}
     assert subjects[MAMBA] == f"kv.gpu-0.{MAMBA}"
     state, attention = by_group[MAMBA], by_group[ATTENTION]
     assert (state.family, state.kind, state.kind_source) == ("state", "mamba", "event")
     assert attention.family == "attention"
     assert len(state.events) == len(attention.events) == run.num_chunks
     for checkpoint, chunk in zip(state.events, attention.events):
+        assert isinstance(checkpoint, BlockStored) and isinstance(chunk, BlockStored)
         assert checkpoint.block_hashes == [chunk.block_hashes[-1]]
         assert checkpoint.token_ids == [] and checkpoint.block_size == chunk.block_size > 0
         assert checkpoint.medium == "CPU"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import overload
 
 import msgspec
 import pytest
@@ -17,7 +18,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash  # noqa: E402
 from vllm.v1.kv_offload.base import Locality, Medium  # noqa: E402
 
 from bridge.plugin import patch  # noqa: E402
@@ -33,6 +34,7 @@ from .hybrid import (  # noqa: E402
     patched_events,
     record_chunks,
     removed,
+    store_events,
     stored,
     tail_key,
 )
@@ -41,13 +43,17 @@ CHUNK_TOKENS = 64
 NUM_CHUNKS = 3
 
 
-def conv(block_hash: bytes | None) -> bytes | int | None:
+@overload
+def conv(block_hash: BlockHash) -> ExternalBlockHash: ...
+@overload
+def conv(block_hash: None) -> None: ...
+def conv(block_hash: BlockHash | None) -> ExternalBlockHash | None:
     return None if block_hash is None else maybe_convert_block_hash(block_hash)
 
 
 def block_stored(
-    hashes: Sequence[bytes],
-    parent: bytes | None,
+    hashes: Sequence[BlockHash],
+    parent: BlockHash | None,
     *,
     group_idx: int,
     kind: str | None,
@@ -116,10 +122,10 @@ def encode(events: Sequence[KVCacheEvent]) -> list[bytes]:
 
 def run_stores(
     hybrid: Hybrid, req, chunks: Sequence[int] = range(NUM_CHUNKS)
-) -> list[KVCacheEvent]:
+) -> list[BlockStored]:
     tracker = hybrid.new_tracker()
     keys = record_chunks(tracker, hybrid, req, chunks)
-    return list(tracker.take_events([stored(keys)]))
+    return store_events(tracker.take_events([stored(keys)]))
 
 
 @pytest.fixture
@@ -351,7 +357,7 @@ def test_partial_tail_follows_the_same_rule(hash_mode: str) -> None:
     h = req.block_hashes
     boundary = 96  # 2 hashes into chunk 1
 
-    def drive(record: str) -> tuple[list[KVCacheEvent], list[KVCacheEvent]]:
+    def drive(record: str) -> tuple[list[BlockStored], list[KVCacheEvent]]:
         tracker = hybrid.new_tracker()
         keys = []
         for group_idx in (ATTENTION, MAMBA):
@@ -359,7 +365,7 @@ def test_partial_tail_follows_the_same_rule(hash_mode: str) -> None:
             key = tail_key(req, group, boundary, tph)
             getattr(tracker, record)(req, group, boundary, key)
             keys.append(key)
-        return list(tracker.take_events([stored(keys)])), list(tracker.take_events([removed(keys)]))
+        return store_events(tracker.take_events([stored(keys)])), list(tracker.take_events([removed(keys)]))
 
     attention_tail = block_stored(
         [h[4], h[5]],
@@ -406,7 +412,7 @@ def test_reset_forgets_everything(hybrid: Hybrid, req, hash_mode: str) -> None:
         keys = record_chunks(tracker, hybrid, req, range(NUM_CHUNKS))
         tracker.reset()
         assert tracker._pending_event_metadata == {}
-        events = list(tracker.take_events([stored(keys)]))
+        events = store_events(tracker.take_events([stored(keys)]))
     assert [e.block_size for e in events] == [0] * len(keys)  # all placeholders now
     assert [e for e in events if e.group_idx == MAMBA] == [
         placeholder(req, c, MAMBA, "mamba") for c in range(NUM_CHUNKS)

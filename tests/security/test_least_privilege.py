@@ -113,7 +113,7 @@ async def _reader(url: str, **auth: Any) -> tuple[Any, list[tuple[str, GroupMess
     async def on_msg(msg: Any) -> None:
         import msgspec
 
-        type_ = WorkerRecord if msg.subject.endswith(".worker") else GroupMessage
+        type_: type[GroupMessage | WorkerRecord] = WorkerRecord if msg.subject.endswith(".worker") else GroupMessage
         seen.append((msg.subject, msgspec.msgpack.decode(msg.data, type=type_)))
 
     nc = await nats.connect(url, error_cb=on_error, **auth)
@@ -147,7 +147,7 @@ async def _stream_batches(url: str, worker: str, rank: int, **auth: Any) -> set[
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             raw = await js.get_msg("KV_EVENTS", seq, direct=True)
             assert raw.subject is not None and raw.data is not None
-            type_ = WorkerRecord if raw.subject.endswith(".worker") else GroupMessage
+            type_: type[GroupMessage | WorkerRecord] = WorkerRecord if raw.subject.endswith(".worker") else GroupMessage
             items.append((raw.subject, msgspec.msgpack.decode(raw.data, type=type_)))
         return _batches(items, worker, rank)
     finally:

@@ -84,7 +84,9 @@ async def test_copies_on_its_subjects_while_it_is_down_do_not_move_a_bridges_res
                 pub.publish(workload.batch(8))
             await wait_published(bridge, 5)
         js = nc.jetstream()
-        stop = msgspec.msgpack.decode((await js.get_last_msg(STREAM, "kv.pod-c.worker")).data, type=WorkerRecord)
+        last = await js.get_last_msg(STREAM, "kv.pod-c.worker")
+        assert last.data is not None
+        stop = msgspec.msgpack.decode(last.data, type=WorkerRecord)
         assert stop.type == "stop" and stop.seq is not None
         await js.publish("kv.other.9", _forged_group("pod-c", stop.epoch, stop.seq + 1000, 0))
         await _copy_onto(nc, "kv.other.9", "kv.pod-c.0", 3)
