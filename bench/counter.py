@@ -197,6 +197,7 @@ class Counter(asyncio.Protocol):
             if rec.type == "gap" and rec.gap_from is not None and rec.gap_to is not None:
                 self.gaps.append((rec.gap_from, rec.gap_to))
             return
+        light: _GroupLight | _NaiveLight
         if self._naive:
             light = self._naive_decode(payload)
             n = 1

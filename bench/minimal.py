@@ -124,7 +124,7 @@ def relay(endpoint: str, host: str, port: int, frames: dict[bytes, Frames], rcvh
             if what is sub:
                 # Everything queued goes in one write, as any bridge worth the
                 # name batches its writes.
-                batch = []
+                batch: list[bytearray] = []
                 while len(batch) < 256:
                     try:
                         _topic, seq_frame, payload = recv(zmq.NOBLOCK)

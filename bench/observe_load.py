@@ -149,9 +149,9 @@ async def run_clients(port: int, clients: int, seconds: float = 0.0, rounds: int
 
 
 def _fill(index: Any) -> None:
-    from bridge.contract import SCHEMA_VERSION, BlockStored, GroupMessage, family_of
+    from bridge.contract import SCHEMA_VERSION, BlockHash, BlockStored, GroupMessage, family_of
 
-    chain = [(i * 0x9E3779B97F4A7C15) % (1 << 64) for i in range(1, MAX_CHAIN + 1)]
+    chain: list[BlockHash] = [(i * 0x9E3779B97F4A7C15) % (1 << 64) for i in range(1, MAX_CHAIN + 1)]
     kinds = {0: "full_attention", 1: "sliding_window", 2: "mamba"}
     for w in range(3):
         for group, kind in kinds.items():

@@ -34,11 +34,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import nats
@@ -354,7 +354,7 @@ class Runner:
         if latency:
             reset_peak_rss(self.consumer.pid)
         server_pid = self.server.proc.pid if self.server is not None and self.server.proc is not None else None
-        stored0 = await stored_messages(self.server.url) if self.stores else 0
+        stored0 = await stored_messages(self.server.url) if self.stores and self.server is not None else 0
         waited0 = await self._window_wait_s()
         shed0 = await self._shed_messages()
         cpu0 = cpu_seconds(self.consumer.pid)
@@ -872,7 +872,7 @@ def summarize(results: dict[str, Any], plan: Plan) -> dict[str, Any]:
                             if s["mode"] == mode and s["size"] == size and "skipped" in s), None)
             summaries = [s["latency"] for s in lats if s["latency"]]
             latency = {
-                key: round(median([x[key] for x in summaries]), 3)
+                key: round(cast(float, median([x[key] for x in summaries])), 3)  # summaries is not empty
                 for key in ("p50_ms", "p99_ms", "max_ms", "mean_ms")
             } | {"runs": len(summaries), "p99_ms_each": [x["p99_ms"] for x in summaries]} if summaries else None
             table.setdefault(mode, {})[str(size)] = {
@@ -1082,7 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     try:
         import uvloop  # the instrument (counting subscriber) runs leaner on uvloop; the measured processes do not use it
-        runner = uvloop.run
+        runner: Callable[[Coroutine[Any, Any, dict[str, Any]]], dict[str, Any]] = uvloop.run
     except ImportError:
         runner = asyncio.run
     results = runner(measure(plan))
