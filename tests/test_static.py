@@ -1,4 +1,4 @@
-"""The code's own checks: ruff (style, imports, bugbear) and mypy (types on the package)."""
+"""The code's own checks: ruff (style, imports, bugbear) and mypy (types on the package, the benchmarks and the tests)."""
 
 import subprocess
 import sys
@@ -14,5 +14,6 @@ def test_ruff_is_clean() -> None:
 
 
 def test_mypy_is_clean() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mypy", "bridge"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "bridge", "bench", "tests"], cwd=ROOT,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
