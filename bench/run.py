@@ -349,6 +349,9 @@ class Runner:
 
     async def _run(self, size: int, batches: int, pub_cmd: dict[str, Any], latency: bool) -> dict[str, Any]:
         assert self.publisher is not None and self.consumer is not None
+        if self.consumer.proc is not None and self.consumer.proc.returncode is not None:
+            raise RuntimeError(f"{self.name}: the measured process exited ({self.consumer.proc.returncode}) "
+                               f"before this run; see {self.consumer.log_path}")
         events, deliverable = self._expected(size, batches)
         want = deliverable if self.forwards_deliverable else events
         if latency:
@@ -465,7 +468,8 @@ class Runner:
         return [p.pid for p in procs if p is not None and p.returncode is None]
 
     async def stop(self) -> dict[str, Any]:
-        mem = memory_mb(self.consumer.pid) if self.consumer and self.consumer.proc else {}
+        mem = memory_mb(self.consumer.pid) if self.consumer and self.consumer.proc and \
+            self.consumer.proc.returncode is None else {}
         if self.counter is not None:
             self.counter.close()
         rc = await self.consumer.stop() if self.consumer is not None else None
