@@ -166,3 +166,54 @@ async def test_without_nats_url_run_starts_its_own_nats_server() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _stopping_without_nats(drain_timeout: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A bridge whose NATS never comes: once signalled, its drain waits
+    --drain-timeout for a server to flush its stop record to."""
+    pub_ep, _ = endpoints()
+    http = free_port()
+    proc = _spawn(["--zmq-endpoint", pub_ep, "--nats-url", f"nats://127.0.0.1:{free_port()}",
+                   "--http-port", str(http), "--http-host", "127.0.0.1", "--worker-id", "signals",
+                   "--drain-timeout", drain_timeout])
+    return proc, http
+
+
+def _events(proc: subprocess.Popen[bytes]) -> list[str]:
+    assert proc.stderr is not None
+    return [json.loads(line)["event"] for line in proc.stderr.read().decode().splitlines() if line.startswith("{")]
+
+
+async def test_sigterm_again_during_the_drain_changes_nothing() -> None:
+    """`timeout`, and supervisors that signal a process and then its group,
+    send SIGTERM twice: the drain goes on to its end and the bridge exits 0."""
+    proc, http = _stopping_without_nats("2")
+    try:
+        await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/healthz", 200)
+        proc.send_signal(signal.SIGTERM)
+        await anyio.sleep(0.3)  # well inside the 2 s drain
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = _events(proc)
+    assert "signal_ignored" in events and "drain_timeout" in events and events[-1] == "bridge_stopped", events
+
+
+async def test_a_second_sigint_ends_the_bridge_at_once() -> None:
+    """Ctrl-C twice at a terminal: the second ends the process without the drain."""
+    proc, http = _stopping_without_nats("120")
+    try:
+        await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/healthz", 200)
+        proc.send_signal(signal.SIGINT)
+        await anyio.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        # long before the 120 s drain could end
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30)) == -signal.SIGINT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = _events(proc)
+    assert "signal_again" in events and "bridge_stopped" not in events, events

@@ -1,6 +1,12 @@
 """How a command ends on SIGINT (Ctrl-C) or SIGTERM: a consumer's work is
 cancelled, which then closes its NATS connection, however far it got
-(connecting, bootstrapping, watching); the bridge is told to stop, and drains."""
+(connecting, bootstrapping, watching); the bridge is told to stop, and drains.
+
+The signals stay caught until the command has ended: a SIGTERM that comes
+again meanwhile changes nothing (`timeout`, and supervisors that signal a
+process and then its group, send it twice), so the drain is never cut short
+by the default action. Only a second SIGINT to the bridge, Ctrl-C twice at a
+terminal, ends it at once."""
 
 from __future__ import annotations
 
@@ -24,30 +30,41 @@ async def until_signal(main: Callable[[], Awaitable[int]]) -> int:
     if threading.current_thread() is not threading.main_thread():
         return await main()
     rc = 0
-    async with anyio.create_task_group() as tg:
-        async def _signals() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    # Opened around the task group, so that signals stay caught while the
+    # cancelled work closes its connection.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+            async def _signals() -> None:
                 async for _ in signals:
                     tg.cancel_scope.cancel()
                     return
 
-        async def _run() -> None:
-            nonlocal rc
-            rc = await main()
-            tg.cancel_scope.cancel()
+            async def _run() -> None:
+                nonlocal rc
+                rc = await main()
+                tg.cancel_scope.cancel()
 
-        tg.start_soon(_signals)
-        tg.start_soon(_run)
+            tg.start_soon(_signals)
+            tg.start_soon(_run)
     return rc
 
 
 async def stop_on_signal(stop: anyio.Event) -> None:
-    """Sets `stop` at the first SIGTERM or SIGINT."""
+    """Sets `stop` at the first SIGTERM or SIGINT; runs until cancelled (the
+    end of the bridge's run), holding the signals that come after: a SIGTERM
+    again is logged and ignored, a second SIGINT ends the process at once."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            log.info("signal", signal=signal.Signals(signum).name)
-            stop.set()
-            return
+            name = signal.Signals(signum).name
+            if not stop.is_set():
+                log.info("signal", signal=name)
+                stop.set()
+            elif signum == signal.SIGINT:
+                log.warning("signal_again", signal=name, note="ending now, without finishing the drain")
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.raise_signal(signal.SIGINT)
+            else:
+                log.info("signal_ignored", signal=name, note="already stopping")
 
 
 async def close_quietly(close: Callable[[], Awaitable[None]]) -> None:

@@ -89,7 +89,7 @@ async def test_jetstream_bridge_gone_a_late_consumer_starts_from_the_bucket(nats
             worker.publish(60, clear_at=20)
             await wait_until(lambda: worker.caught_up(watcher), 20, "the watcher")
             assert not worker.logged("snapshot_written"), "--snapshot-interval is 30 s: no write yet"
-            # SIGTERM (one: a second one kills)
+            # SIGTERM
             assert await anyio.to_thread.run_sync(lambda: worker.bridge.stop(timeout=20)) == 0
             await wait_until(lambda: not watcher.view("pod-b", 0).watching, 10, "the stop record")  # type: ignore[union-attr]
         written = worker.logged("snapshot_written")
