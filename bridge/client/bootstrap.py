@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import anyio
 import msgspec
@@ -275,7 +275,7 @@ class StreamOpening(msgspec.Struct, frozen=True):
     start_seq: int | None
 
 
-def stream_opening(found: dict[RankKey, Found], first_seq: StreamHoldings | int) -> StreamOpening:
+def stream_opening(found: Mapping[RankKey, Found], first_seq: StreamHoldings | int) -> StreamOpening:
     """Each rank's snapshot (or SnapshotMissing) first, and a SnapshotMissing
     after a snapshot whose following messages the stream no longer holds
     wholly (`first_seq`: the stream's state, StreamHoldings; an int is its

@@ -8,7 +8,6 @@ import json
 import random
 import re
 import time
-from typing import cast
 
 import pytest
 
@@ -26,7 +25,6 @@ from bridge.apps.fleet.query import (
 from bridge.apps.fleet.state import ObserveState, hybrid_effect
 from bridge.client.chain import ALGOS, ChainHasher
 from bridge.client.subscribe import BusMessage
-from bridge.contract import BlockHash
 from tests.client.builders import ATTN, hb, msg, record, stored
 
 pytestmark = pytest.mark.anyio
@@ -207,7 +205,7 @@ async def test_a_digest_chain_is_asked_in_int_form_when_no_digest_is_held() -> N
     chain = [hb(i) for i in range(40)]
     state.index.apply(msg([stored([as_int(h) for h in chain[:30]])], worker="ints"))
     assert not state.index.fleet.holds_digests
-    ints = await int_form(cast("list[BlockHash]", chain))
+    ints = await int_form(chain)
     assert ints == [as_int(h) for h in chain] and await int_form(ints) is None
     q = PrefixQuery(chain=[h.hex() for h in chain])
     now = time.time()  # both asked at one instant, so their staleness agrees too

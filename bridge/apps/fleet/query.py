@@ -247,7 +247,7 @@ async def query_chain(q: PrefixQuery, checkpoint: Checkpoint = _nothing, algos: 
     return out
 
 
-async def int_form(chain: list[BlockHash], checkpoint: Checkpoint = _nothing) -> list[BlockHash] | None:
+async def int_form(chain: Sequence[BlockHash], checkpoint: Checkpoint = _nothing) -> list[BlockHash] | None:
     """`chain` in vLLM's int form (a slice at a time), or None when it holds no
     digest. An index that holds no digest matches a chain of digests by this
     form alone (bridge.residency.fleet), and far faster."""

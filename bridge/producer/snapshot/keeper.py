@@ -286,9 +286,9 @@ class ResidencyKeeper:
         `seconds` (0: no bound), `STEP_EVENTS` events at a time: a message
         the time runs out in stays applied in part (`pending` counts it) and
         is finished first next time. With `busy`, it also stops at a pause
-        where that says the relay has work (asked at most every `BUSY_LOOK_S`). Returns how many messages
-        it finished (none while a snapshot is being exported: the log holds
-        them)."""
+        where that says the relay has work (asked at most every
+        `BUSY_LOOK_S`). Returns how many messages it finished (none while a
+        snapshot is being exported: the log holds them)."""
         if self._exporting:
             return 0
         if self._lost:
