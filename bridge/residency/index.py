@@ -350,8 +350,7 @@ class ResidencyIndex:
             view.duplicates_ignored += 1
             return None
         g.last_position = position
-        if not view.watching:
-            view.watching = True
+        view.watching = True
         view.messages += 1
         view.topic = msg.topic
         if msg.kind_source != "unknown" and (g.kind != msg.kind or g.family != msg.family):

@@ -395,8 +395,11 @@ class WorkerView:
 
     @watching.setter
     def watching(self, value: bool) -> None:
-        self._watching = value
-        self._fleet.set_watching(self._slot, value)
+        # The store's flag changes only here, so it equals ours: a message
+        # to a view already watched (every message) costs no call.
+        if value != self._watching:
+            self._watching = value
+            self._fleet.set_watching(self._slot, value)
 
     @property
     def slot(self) -> int:
