@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterator, Sequence
 from typing import NamedTuple
 
 from bridge.contract import BlockHash
 from bridge.residency import answers, query
 from bridge.residency.hash_ids import HashIds
+from bridge.residency.held_columns import ENTRY_STEP, HeldColumns, from_copies
 from bridge.residency.holder_sets import HolderSets
 from bridge.residency.prefix import GroupShape, PrefixMatch
 from bridge.residency.slot_logs import SlotLog
@@ -527,6 +528,12 @@ class FleetResidency:
                 continue
             t, u = state(tier, i, slot)
             yield hash_at(i), t, u  # type: ignore[misc]
+
+    def held_columns(self, slot: int, group: int, medium: str) -> Generator[None, None, HeldColumns]:
+        """The tier as a snapshot lists it (`held_copies`, then the
+        placeholders), pausing every `ENTRY_STEP` entries read."""
+        return (yield from from_copies(self.held_copies(slot, group, medium, ENTRY_STEP),
+                                       self.layer_items(slot, group, medium, PLACEHOLDER)))
 
     def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]:
         """Up to `n` hashes one worker rank holds trusted in a tier, in the

@@ -536,8 +536,8 @@ class ResidencyIndex:
 
     def snapshot_steps(self, worker: str, dp_rank: int, *, through: str = "", stream_seq: int = 0,
                        now: float | None = None) -> Generator[None, None, RankSnapshot | None]:
-        """`snapshot`, a piece at a time: yields every few hundred hashes and
-        returns the snapshot, so that a caller on an event loop can take a
+        """`snapshot`, a piece at a time: yields every few hundred microseconds
+        of reading (the store's `held_columns`) and returns the snapshot, so that a caller on an event loop can take a
         large view between its other work. Nothing may change the index
         until the generator is done."""
         view = self.views.get(WorkerKey(worker, dp_rank))
@@ -547,41 +547,10 @@ class ResidencyIndex:
         for number, g in sorted(view.groups.items()):
             tiers = []
             for medium in g.trusted:  # every medium the group has a cell in
-                # Trusted and suspect copies in one pass over the tier, a
-                # pause every _SNAPSHOT_STEP entries of its log read, whatever
-                # they hold.
-                trusted: list[BlockHash] = []
-                trusted_n: list[int] = []
-                suspect: list[BlockHash] = []
-                suspect_n: list[int] = []
-                multi_t = multi_s = False
-                for item in g.held_copies(medium, _SNAPSHOT_STEP):
-                    if item is None:
-                        yield
-                        continue
-                    h, t, u = item
-                    if t:
-                        trusted.append(h)
-                        trusted_n.append(t)
-                        multi_t = multi_t or t != 1
-                    if u:
-                        suspect.append(h)
-                        suspect_n.append(u)
-                        multi_s = multi_s or u != 1
+                c = yield from g.held_columns(medium)
+                tiers.append(TierState(medium, c.trusted, c.trusted_copies, c.suspect, c.suspect_copies,
+                                       c.placeholders, c.placeholder_copies))
                 yield
-                held: list[BlockHash] = []
-                held_n: list[int] = []
-                multi_p = False
-                for h, n in g.placeholders[medium].pairs():
-                    held.append(h)
-                    held_n.append(n)
-                    multi_p = multi_p or n != 1
-                    if not len(held) % _SNAPSHOT_STEP:
-                        yield
-                yield
-                # Copies left out when every count is one.
-                tiers.append(TierState(medium, trusted, trusted_n if multi_t else [], suspect,
-                                       suspect_n if multi_s else [], held, held_n if multi_p else []))
             groups.append(GroupState(number, g.kind, g.family, g.block_size, g.window, g.last_position, g.stored,
                                      g.removed, g.unknown_removals, tiers))
         return RankSnapshot(
@@ -640,9 +609,6 @@ class ResidencyIndex:
 # vLLM adds a copy per physical block holding a hash: a handful. A count far
 # beyond it in a snapshot is damage, not residency (and would be expanded).
 _MAX_COPIES = 1 << 16
-
-# Hashes read between two steps of `snapshot_steps`: a few hundred microseconds.
-_SNAPSHOT_STEP = 256
 
 
 def _copies(hashes: list[BlockHash], copies: list[int]) -> list[BlockHash]:

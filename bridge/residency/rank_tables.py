@@ -14,14 +14,22 @@ this module only holds copies, with the slot interface `WorkerView` and
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
+from itertools import islice
 from typing import cast
 
 from bridge.contract import BlockHash
+from bridge.residency.held_columns import HeldColumns, ones_left_out
 from bridge.residency.prefix import GroupShape, HeldGroup, PrefixMatch, match_view, match_views
 from bridge.residency.slots import WorkerKey
 
 TRUSTED, SUSPECT, PLACEHOLDER = "trusted", "suspect", "placeholder"
+
+# Entries a snapshot copies out of a layer's dict between two pauses (a C
+# loop: tens of microseconds), and entries it looks up one by one (the
+# hashes a rank holds in both layers after a gap: about a hundred).
+COPY_STEP = 8192
+LOOKUP_STEP = 2048
 
 
 class _Cell:
@@ -231,6 +239,43 @@ class RankTables:
             if h not in trusted:
                 yield h, 0, u
 
+    def held_columns(self, slot: int, group: int, medium: str) -> Generator[None, None, HeldColumns]:
+        """The tier as a snapshot lists it, in the order of `held_copies`:
+        trusted hashes as they came; the suspect ones that are trusted too, in
+        that order, then the suspect ones only; placeholders as they came.
+        Pauses every `COPY_STEP` entries copied. The index must not change
+        until the generator is done."""
+        cell = self._cell(slot, group, medium)
+        if cell is None:
+            return HeldColumns([], [], [], [], [], [])
+        trusted, suspect = cell.trusted, cell.suspect
+        th: list[BlockHash] = []
+        tn: list[int] = []
+        yield from _copy_out(trusted, th, tn)
+        sh: list[BlockHash] = []
+        sn: list[int] = []
+        if suspect:
+            if trusted:
+                keys = iter(trusted)
+                while chunk := list(islice(keys, LOOKUP_STEP)):
+                    both = [h for h in chunk if h in suspect]
+                    sh.extend(both)
+                    sn.extend(suspect[h] for h in both)
+                    yield
+                pairs = iter(suspect.items())
+                while chunk_pairs := list(islice(pairs, LOOKUP_STEP)):
+                    for h, n in chunk_pairs:
+                        if h not in trusted:
+                            sh.append(h)
+                            sn.append(n)
+                    yield
+            else:
+                yield from _copy_out(suspect, sh, sn)
+        ph: list[BlockHash] = []
+        pn: list[int] = []
+        yield from _copy_out(cell.placeholders, ph, pn)
+        return HeldColumns(th, ones_left_out(tn), sh, ones_left_out(sn), ph, ones_left_out(pn))
+
     def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]:
         """Up to `n` trusted hashes of a tier, oldest entry first."""
         cell = self._cell(slot, group, medium)
@@ -281,6 +326,18 @@ class RankTables:
     def match(self, slot: int, chain: Sequence[BlockHash], media: Collection[str] | None = None,
               include_suspect: bool = False) -> PrefixMatch:
         return match_view(self._held(slot), chain, media, include_suspect)
+
+
+def _copy_out(table: dict[BlockHash, int], keys: list[BlockHash], values: list[int]) -> Generator[None, None, None]:
+    """Appends the table's hashes and copies, `COPY_STEP` at a time with a pause after each."""
+    ks, vs = iter(table), iter(table.values())
+    while True:
+        before = len(keys)
+        keys.extend(islice(ks, COPY_STEP))
+        values.extend(islice(vs, COPY_STEP))
+        if len(keys) - before < COPY_STEP:
+            return
+        yield
 
 
 def _layer(cell: _Cell, layer: str) -> dict[BlockHash, int]:

@@ -11,11 +11,12 @@ The rules for feeding it (records, epochs) live in `bridge.residency.index`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from bridge.contract import BlockHash
 from bridge.residency.fleet import FleetResidency
+from bridge.residency.held_columns import HeldColumns
 from bridge.residency.prefix import GroupShape, Table
 from bridge.residency.slots import WorkerKey
 
@@ -60,6 +61,8 @@ class SlotStore(Protocol):
 
     def held_copies(self, slot: int, group: int, medium: str,
                     pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]: ...
+
+    def held_columns(self, slot: int, group: int, medium: str) -> Generator[None, None, HeldColumns]: ...
 
     def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]: ...
 
@@ -281,6 +284,13 @@ class GroupResidency:
         between them at even intervals (FleetResidency.held_copies)."""
         f = self._fleet
         return iter(()) if f is None else f.held_copies(self._slot, self.group, medium, pause)
+
+    def held_columns(self, medium: str) -> Generator[None, None, HeldColumns]:
+        """`medium` as a snapshot lists it, pausing now and then (`SlotStore.held_columns`)."""
+        f = self._fleet
+        if f is None:
+            return HeldColumns([], [], [], [], [], [])
+        return (yield from f.held_columns(self._slot, self.group, medium))
 
     def sample(self, medium: str, n: int) -> list[BlockHash]:
         """Up to `n` trusted hashes of `medium`, the first the group took

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from bridge.contract.snapshot import encode_snapshot
+from bridge.producer.snapshot import keeper as keeper_module
 from bridge.producer.snapshot.keeper import ResidencyKeeper, keep_up
 from tests.client.builders import hi
 from tests.snapshot.test_shed import WORKER, Bridge
@@ -204,7 +205,10 @@ async def test_a_catch_up_for_a_snapshot_offers_the_cpu_after_each_slice() -> No
 
 
 @pytest.mark.anyio
-async def test_an_export_offers_the_cpu_between_its_slices() -> None:
+async def test_an_export_offers_the_cpu_between_its_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Slices of one step each: 9000 hashes are read faster than one slice of
+    # the bridge's length, and the test is about what happens between slices.
+    monkeypatch.setattr(keeper_module, "IDLE_SLICE_S", 0.0)
     keeper = _turns(3000)
     keeper.catch_up()
     keeper.turns.clear()

@@ -469,7 +469,7 @@ class ResidencyKeeper:
 
     async def export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
         """The rank's snapshot and its encoding, both made on the loop in slices
-        of about `IDLE_SLICE_S` (a million blocks take a second or more), so
+        of about `IDLE_SLICE_S` (a large rank takes far longer than a batch may wait), so
         that the loop reads ZMQ and publishes between them. Not in a worker
         thread: that one holds the GIL but for the loop's turns, each of
         which first waits out the interpreter's 5 ms switch interval, so a
