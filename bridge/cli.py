@@ -98,13 +98,15 @@ def _stop_quietly(signum: int, frame: Any) -> None:
 
 @contextmanager
 def _quiet_signals() -> Iterator[None]:
-    """Until a command takes SIGINT and SIGTERM itself (anyio's signal
-    receivers), they end the process with status 0; the previous handlers
+    """Until a command takes SIGINT, SIGTERM and SIGHUP itself (anyio's
+    signal receivers, `bridge.runtime.stopping`), they end the process with status 0; the previous handlers
     come back after, for a caller that runs main() in its own process."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _stop_quietly) for sig in (signal.SIGINT, signal.SIGTERM)}
+    from bridge.runtime.signals import stop_signals
+
+    previous = {sig: signal.signal(sig, _stop_quietly) for sig in stop_signals()}
     try:
         yield
     finally:

@@ -45,9 +45,10 @@ def _wait_http(url: str, status: int, timeout: float = 20) -> str:
     raise AssertionError(f"{url} never answered {status}: {last}")
 
 
-def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], env: dict[str, str] | None = None,
+           launcher: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "bridge", "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*launcher, sys.executable, "-m", "bridge", "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, **(env or {})},
     )
 
@@ -168,14 +169,16 @@ async def test_without_nats_url_run_starts_its_own_nats_server() -> None:
             proc.kill()
 
 
-def _stopping_without_nats(drain_timeout: str) -> tuple[subprocess.Popen[bytes], int]:
+def _stopping_without_nats(drain_timeout: str,
+                           launcher: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], int]:
     """A bridge whose NATS never comes: once signalled, its drain waits
-    --drain-timeout for a server to flush its stop record to."""
+    --drain-timeout for a server to flush its stop record to. `launcher`:
+    what runs it (`env --ignore-signal=HUP`, say)."""
     pub_ep, _ = endpoints()
     http = free_port()
     proc = _spawn(["--zmq-endpoint", pub_ep, "--nats-url", f"nats://127.0.0.1:{free_port()}",
                    "--http-port", str(http), "--http-host", "127.0.0.1", "--worker-id", "signals",
-                   "--drain-timeout", drain_timeout])
+                   "--drain-timeout", drain_timeout], launcher=launcher)
     return proc, http
 
 
@@ -200,6 +203,44 @@ async def test_sigterm_again_during_the_drain_changes_nothing() -> None:
             proc.kill()
     events = _events(proc)
     assert "signal_ignored" in events and "drain_timeout" in events and events[-1] == "bridge_stopped", events
+
+
+async def test_sighup_drains_and_exits_zero_like_sigterm() -> None:
+    """A closed terminal or ssh session, or the kernel hanging up a process
+    group whose parent left while one of them was stopped: the bridge
+    drains and stops, logged, instead of dying silently."""
+    # SIGHUP at its default whatever this test runner inherited.
+    proc, http = _stopping_without_nats("2", launcher=("env", "--default-signal=HUP"))
+    try:
+        await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/healthz", 200)
+        proc.send_signal(signal.SIGHUP)
+        await anyio.sleep(0.3)
+        proc.send_signal(signal.SIGHUP)
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.stderr is not None
+    lines = [json.loads(line) for line in proc.stderr.read().decode().splitlines() if line.startswith("{")]
+    events = [line["event"] for line in lines]
+    assert {"event": "signal", "signal": "SIGHUP"}.items() <= next(x for x in lines if x["event"] == "signal").items()
+    assert "signal_ignored" in events and "drain_timeout" in events and events[-1] == "bridge_stopped", events
+
+
+async def test_a_bridge_started_under_nohup_keeps_ignoring_sighup() -> None:
+    proc, http = _stopping_without_nats("1", launcher=("env", "--ignore-signal=HUP"))
+    try:
+        await anyio.to_thread.run_sync(_wait_http, f"http://127.0.0.1:{http}/healthz", 200)
+        proc.send_signal(signal.SIGHUP)
+        await anyio.sleep(1.0)
+        assert proc.poll() is None  # still running, still serving
+        assert _get(f"http://127.0.0.1:{http}/healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "signal" in _events(proc)
 
 
 async def test_a_second_sigint_ends_the_bridge_at_once() -> None:

@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--http-port", "int", 9400, "Port for /metrics, /healthz, /readyz (0: any free port)."),
     Option("--log-format", "choice", "json", "Log line format.", ("json", "console")),
     Option("--log-level", "choice", "info", "Log level.", ("debug", "info", "warning", "error")),
-    Option("--drain-timeout", "float", 10.0, "Seconds SIGTERM/SIGINT may take to flush and drain NATS."),
+    Option("--drain-timeout", "float", 10.0, "Seconds SIGTERM/SIGINT/SIGHUP may take to flush and drain NATS."),
     Option("--nats-unhealthy-after", "float", 120.0,
            "Seconds NATS may stay unusable (no connection, the bridge reconnecting) before /healthz answers 503, so the orchestrator restarts the bridge (0: never)."),
     Option("--jetstream", "bool", False, "Publish to a JetStream stream with acks and de-duplication, and resume from it on start."),

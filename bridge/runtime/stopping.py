@@ -1,6 +1,9 @@
-"""How a command ends on SIGINT (Ctrl-C) or SIGTERM: a consumer's work is
-cancelled, which then closes its NATS connection, however far it got
+"""How a command ends on SIGINT (Ctrl-C), SIGTERM or SIGHUP: a consumer's
+work is cancelled, which then closes its NATS connection, however far it got
 (connecting, bootstrapping, watching); the bridge is told to stop, and drains.
+SIGHUP (a closed terminal, a dropped ssh session, the kernel's hang-up of a
+process group left without its parent) stops it as SIGTERM does, unless the
+process started with SIGHUP ignored (`nohup`), which then stays so.
 
 The signals stay caught until the command has ended: a SIGTERM that comes
 again meanwhile changes nothing (`timeout`, and supervisors that signal a
@@ -17,6 +20,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 import structlog
 
+from bridge.runtime.signals import stop_signals
+
 log = structlog.get_logger("bridge.runtime.stopping")
 
 # How long closing the NATS connection may take once asked to stop.
@@ -32,7 +37,7 @@ async def until_signal(main: Callable[[], Awaitable[int]]) -> int:
     rc = 0
     # Opened around the task group, so that signals stay caught while the
     # cancelled work closes its connection.
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(*stop_signals()) as signals:
         async with anyio.create_task_group() as tg:
             async def _signals() -> None:
                 async for _ in signals:
@@ -50,10 +55,11 @@ async def until_signal(main: Callable[[], Awaitable[int]]) -> int:
 
 
 async def stop_on_signal(stop: anyio.Event) -> None:
-    """Sets `stop` at the first SIGTERM or SIGINT; runs until cancelled (the
+    """Sets `stop` at the first of `stop_signals`; runs until cancelled (the
     end of the bridge's run), holding the signals that come after: a SIGTERM
-    again is logged and ignored, a second SIGINT ends the process at once."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    or SIGHUP again is logged and ignored, a second SIGINT ends the process
+    at once."""
+    with anyio.open_signal_receiver(*stop_signals()) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
             if not stop.is_set():
