@@ -163,9 +163,14 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115, ASYNC230 - the child keeps it
         pipe = asyncio.subprocess.PIPE if self.json_io else log
+        # Each child in a session of its own: `alone` stops the others with
+        # SIGSTOP, and if whatever started the bench exits meanwhile (a shell
+        # that ran it in the background), the kernel hangs up a process group
+        # left without its parent that holds a stopped process, SIGHUP to
+        # every member: a measured bridge then stopped mid-run.
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.PIPE if self.json_io else asyncio.subprocess.DEVNULL,
-            stdout=pipe, stderr=log, cwd=self.cwd,
+            stdout=pipe, stderr=log, cwd=self.cwd, start_new_session=True,
         )
         log.close()
 
