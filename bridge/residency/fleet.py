@@ -493,6 +493,10 @@ class FleetResidency:
         found = self._held_id(slot, group, medium, h)
         return 0 if found is None else sum(self._state(found[0], found[1], slot))
 
+    def holds_all(self, slot: int, group: int, medium: str, hashes: Sequence[BlockHash]) -> bool:
+        """Whether the slot holds a copy of every one of `hashes`, trusted or suspect."""
+        return all(self.held(slot, group, medium, h) > 0 for h in hashes)
+
     def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]:
         tier = self._columns.tiers.get((group, medium))
         cell = None if tier is None else tier.cells.get(slot)

@@ -63,7 +63,7 @@ from bridge.contract.kinds import OTHER, STATE, WINDOW, family_of
 from bridge.contract.snapshot import SNAPSHOT_VERSION, GroupState, RankSnapshot, SnapshotMissing, TierState
 from bridge.residency.fleet import FleetResidency
 from bridge.residency.lean import LeanStored, ResidencyMessage, token_count
-from bridge.residency.prefix import RULED_FAMILIES, PrefixMatch, allowed_at, window_blocks
+from bridge.residency.prefix import RULED_FAMILIES, PrefixMatch, allowed_at, needed_before, window_blocks
 from bridge.residency.slots import WorkerKey
 from bridge.residency.views import GroupResidency, SlotStore, WorkerView
 
@@ -114,7 +114,7 @@ _Events = Sequence["BlockStored | LeanStored | BlockRemoved"]
 class _Reannounced:
     """Parent-less GPU stores of one batch position of one worker rank (report mode "full")."""
 
-    __slots__ = ("at", "_added", "_unsorted", "chains", "tokenless")
+    __slots__ = ("at", "_added", "_unsorted", "noted", "chains", "tokenless")
 
     def __init__(self, at: tuple[int, int, int]) -> None:
         self.at = at  # (epoch, seq, part)
@@ -122,11 +122,13 @@ class _Reannounced:
         # when a rule asks, since most positions never need them.
         self._added: Counter[tuple[int, BlockHash]] = Counter()
         self._unsorted: list[tuple[int, list[BlockHash]]] = []
+        self.noted: set[int] = set()  # groups with copies stored at this position
         self.chains: set[tuple[BlockHash, ...]] = set()  # announced again, not stored
         self.tokenless: list[tuple[GroupResidency, tuple[BlockHash, ...], list[BlockHash]]] = []  # may be taken back
 
     def note(self, group: int, stored: list[BlockHash]) -> None:
         self._unsorted.append((group, stored))
+        self.noted.add(group)
 
     @property
     def added(self) -> Counter[tuple[int, BlockHash]]:
@@ -457,12 +459,16 @@ class ResidencyIndex:
             if (family != WINDOW or window_blocks(res.window, res.block_size) != 0) and \
                     res.held(GPU_MEDIUM, last) <= 0:
                 return False
-        added = memo.added
+        noted = memo.noted
         for group, res in view.groups.items():
             if res.family not in RULED_FAMILIES:
                 continue
             constrained = True
-            if not allowed_at(res, _held_before(res, group, chain, added), k):
+            if group in noted:
+                # Copies this position stored are left out, block by block.
+                if not allowed_at(res, _held_before(res, group, chain, memo.added), k):
+                    return False
+            elif not res.holds_all(GPU_MEDIUM, chain[k - needed_before(res, k):]):
                 return False
         return constrained
 

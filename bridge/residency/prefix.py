@@ -111,17 +111,24 @@ def group_limit(g: GroupShape, held: list[bool]) -> tuple[list[bool], int]:
     return allowed, deepest
 
 
-def allowed_at(g: GroupShape, held_at: Callable[[int], bool], k: int) -> bool:
-    """`group_limit(g, held)[0][k]`, reading only the blocks it needs, last
-    first (`held_at(i)`: whether the group holds block i): a state group
-    the checkpoint at k - 1, a window group its window's blocks before k,
-    an attention group (or a window of unknown size) every block before k."""
+def needed_before(g: GroupShape, k: int) -> int:
+    """How many of the blocks before k, the last ones, a group must hold
+    for a hit of k blocks: a state group the checkpoint at k - 1, a window
+    group its window's blocks, an attention group (or a window of unknown
+    size) all k."""
     if k <= 0:
-        return True
+        return 0
     if g.family == STATE:
-        return held_at(k - 1)
+        return 1
     need = window_blocks(g.window, g.block_size) if g.family == WINDOW else None
-    return all(held_at(i) for i in range(k - 1, k - 1 - (k if need is None else min(need, k)), -1))
+    return k if need is None else min(need, k)
+
+
+def allowed_at(g: GroupShape, held_at: Callable[[int], bool], k: int) -> bool:
+    """`group_limit(g, held)[0][k]`, reading only the blocks it needs
+    (`needed_before`), last first (`held_at(i)`: whether the group holds
+    block i)."""
+    return all(held_at(i) for i in range(k - 1, k - 1 - needed_before(g, k), -1))
 
 
 def match_view(

@@ -211,6 +211,19 @@ class RankTables:
         n = cell.trusted.get(h, 0)
         return n + cell.suspect.get(h, 0) if cell.suspect else n
 
+    def holds_all(self, slot: int, group: int, medium: str, hashes: Sequence[BlockHash]) -> bool:
+        """Whether every one of `hashes` has a copy, trusted or suspect. A
+        table never keeps a hash at zero copies: holding is membership,
+        tested in C over a whole chain when nothing is suspect."""
+        try:
+            cell = self._cells[slot][group][medium]
+        except KeyError:
+            return not hashes
+        trusted, suspect = cell.trusted, cell.suspect
+        if not suspect:
+            return all(map(trusted.__contains__, hashes))
+        return all(h in trusted or h in suspect for h in hashes)
+
     def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]:
         cell = self._cell(slot, group, medium)
         return iter(()) if cell is None else iter(list(_layer(cell, layer).items()))

@@ -11,7 +11,7 @@ The rules for feeding it (records, epochs) live in `bridge.residency.index`.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from bridge.contract import BlockHash
@@ -56,6 +56,8 @@ class SlotStore(Protocol):
     def copies(self, slot: int, group: int, medium: str, h: BlockHash, layer: str) -> int: ...
 
     def held(self, slot: int, group: int, medium: str, h: BlockHash) -> int: ...
+
+    def holds_all(self, slot: int, group: int, medium: str, hashes: Sequence[BlockHash]) -> bool: ...
 
     def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]: ...
 
@@ -277,6 +279,11 @@ class GroupResidency:
         """Copies of `h` held, trusted and suspect (`count` of both layers, in one lookup)."""
         f = self._fleet
         return 0 if f is None else f.held(self._slot, self.group, medium, h)
+
+    def holds_all(self, medium: str, hashes: Sequence[BlockHash]) -> bool:
+        """Whether every one of `hashes` has a copy in `medium`, trusted or suspect."""
+        f = self._fleet
+        return not hashes if f is None else f.holds_all(self._slot, self.group, medium, hashes)
 
     def held_copies(self, medium: str, pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]:
         """(hash, trusted copies, suspect copies) of every hash held in

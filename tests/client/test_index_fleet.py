@@ -481,3 +481,27 @@ def test_report_mode_full_announcements_add_nothing_in_both() -> None:
     assert new.reannounced_ignored == ref.reannounced_ignored > 0
     assert new.match("w", 0, chain).blocks == 4  # type: ignore[union-attr]
     assert new.view("w", 0).groups[0].count("GPU", chain[0]) == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("store", ["fleet", "rank_tables"])
+def test_a_parentless_store_of_a_chain_held_in_part_is_stored(store: str) -> None:
+    """Report mode "full" is told by the worker resuming from the whole
+    chain: holding its last blocks but not its first, a parent-less store
+    is the worker storing them, and adds a copy of each."""
+    chain: list[BlockHash] = [hb(i) for i in range(4)]
+
+    def stored_at(seq: int, hashes: list[BlockHash], parent: BlockHash | None) -> GroupMessage:
+        ev = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[7] * (16 * len(hashes)),
+                         block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0,
+                         kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
+        return msg([ev], group=0, seq=seq, kind="full_attention")
+
+    new = ResidencyIndex(store=RankTables()) if store == "rank_tables" else ResidencyIndex()
+    ref = ReferenceIndex()
+    for m in (stored_at(1, chain[1:], chain[0]), stored_at(2, chain, None)):
+        new.apply(m)
+        ref.apply(m)
+    assert_same_state(new, ref)
+    assert new.reannounced_ignored == ref.reannounced_ignored == 0
+    g = new.view("w", 0).groups[0]  # type: ignore[union-attr]
+    assert (g.count("GPU", chain[0]), g.count("GPU", chain[-1])) == (1, 2)
