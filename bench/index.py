@@ -226,7 +226,7 @@ def measure(impl: str, workers: int, traffic: Traffic, n_queries: int, n_answers
     rss1 = _rss_bytes()
     entries = sum(len(t) for v in index.views.values() for g in v.groups.values()
                   for layer in (g.trusted, g.suspect) for t in layer.values()) if impl == "reference" else \
-        index.fleet.entries  # type: ignore[attr-defined]
+        index.fleet.entries
     queries = [(kind, tuple(chain)) for kind, chain in traffic.queries(n_queries, workers)]
     gc.collect()  # tuples of ints and bytes leave the collector's sight
     lat: dict[str, list[float]] = {}
@@ -261,7 +261,7 @@ def measure(impl: str, workers: int, traffic: Traffic, n_queries: int, n_answers
     gc.unfreeze()
     out["longest_prefix_frozen"] = _latency(frozen)
     if impl == "fleet":
-        fleet = index.fleet  # type: ignore[attr-defined]
+        fleet = index.fleet
         hits = []
         for _, chain in queries:
             t0 = clock()
@@ -284,7 +284,7 @@ def _child(impl: str, workers: int, traffic: Traffic, n_queries: int, n_answers:
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"{impl} at {workers} workers failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @dataclass

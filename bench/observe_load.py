@@ -142,7 +142,7 @@ async def run_clients(port: int, clients: int, seconds: float = 0.0, rounds: int
     proc = await anyio.run_process([sys.executable, "-m", "bench.observe_load", "--client", str(port),
                                     "--clients", str(clients), "--seconds", str(seconds), "--rounds", str(rounds)],
                                    env=env, stderr=subprocess.PIPE, check=True)
-    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+    return json.loads(proc.stdout)
 
 
 # -- the service side ------------------------------------------------------------

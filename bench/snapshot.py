@@ -276,7 +276,7 @@ def _child(kind: str, form: str, blocks: int, seed: int, runs: int = 1, path: Pa
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"{kind} {form} {blocks} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # -- fetch from a real bridge --------------------------------------------------------
@@ -331,7 +331,7 @@ async def measure_fetch(form: str, blocks: int, seed: int, fetches: int) -> dict
             subject = snapshot_subject("kv", WORKER, 0)
 
             async def request(data: bytes) -> bytes:
-                msg = await nc.request(subject, data, timeout=30)  # type: ignore[union-attr]
+                msg = await nc.request(subject, data, timeout=30)
                 if (msg.headers or {}).get("Nats-Service-Error-Code"):
                     raise RuntimeError(f"snapshot service error: {msg.headers}")
                 return msg.data

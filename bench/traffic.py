@@ -67,7 +67,7 @@ class _ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     data_parallel_rank: int | None = None
 
 
-def as_array_form(payload: bytes, decode: msgspec.msgpack.Decoder) -> bytes:  # type: ignore[type-arg]
+def as_array_form(payload: bytes, decode: msgspec.msgpack.Decoder) -> bytes:
     """A map-form payload re-encoded as an array-event release would send it."""
     batch: KVEventBatch = decode.decode(payload)
     events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared] = []
@@ -90,7 +90,7 @@ class Pool(msgspec.Struct, array_like=True):
     deliverable: list[int]  # events kv-bridge forwards (window placeholders are dropped by design)
 
 
-def _deliverable(payload: bytes, decode: msgspec.msgpack.Decoder) -> tuple[int, int]:  # type: ignore[type-arg]
+def _deliverable(payload: bytes, decode: msgspec.msgpack.Decoder) -> tuple[int, int]:
     batch: KVEventBatch = decode.decode(payload)  # the map form: counted before any conversion
     # kv-bridge drops, by design, window placeholders and state stores that name no position
     dropped = sum(

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _tool_registrars() -> list:  # type: ignore[type-arg]
+def _tool_registrars() -> list:
     """Consumers' subcommands (tail, watch, ...) register themselves here."""
     from bridge.apps import commands
 

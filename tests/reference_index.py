@@ -411,7 +411,7 @@ class ReferenceIndex:
             constrained = True
             held = [res.count(GPU_MEDIUM, h) + res.count(GPU_MEDIUM, h, suspect=True) - memo.added[(group, h)] > 0
                     for h in chain]
-            allowed, _ = group_limit(res, held)  # type: ignore[arg-type]
+            allowed, _ = group_limit(res, held)
             if not allowed[k]:
                 return False
         return constrained

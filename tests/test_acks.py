@@ -266,7 +266,7 @@ async def test_acks_arrive_once_in_order_however_the_reads_cut_the_stream() -> N
         got: list[bytes] = []
         nc.ack_sid = 7
         nc.ack_prefix = PREFIX
-        nc.on_ack = lambda subject, _payload, _h, got=got: got.append(subject)  # type: ignore[misc]
+        nc.on_ack = lambda subject, _payload, _h, got=got: got.append(subject)
         await nc._ps.parse(stream[:cut])  # noqa: SLF001
         await nc._ps.parse(stream[cut:])  # noqa: SLF001
         assert got == [b"_INBOX.abc.%d" % i for i in range(5)], cut

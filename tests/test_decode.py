@@ -75,7 +75,7 @@ def test_relay_keeps_token_ids_as_the_publisher_encoded_them() -> None:
     batch = BatchDecoder(relay=True).decode(payload)
     event = batch.events[0]
     assert type(event) is RelayBlockStored and batch.rejected == []
-    assert bytes(event.token_ids) == msgspec.msgpack.encode(tokens)  # type: ignore[arg-type]
+    assert bytes(event.token_ids) == msgspec.msgpack.encode(tokens)
     # What consumers decode from the relayed bytes is what vLLM sent.
     msg = GroupMessage(v=1, worker="w", dp_rank=0, epoch=1, seq=0, ts=3.0, group=0, kind="full_attention",
                        family="attention", kind_source="event", events=[event])

@@ -211,7 +211,7 @@ async def fetch_all(nc: NatsClient, opts: BootstrapOptions, kv: SnapshotBucket |
 
 def rank_of(body: object) -> RankKey | None:
     if type(body) is GroupMessage or type(body) is WorkerRecord:
-        return (body.worker, body.dp_rank)  # type: ignore[union-attr]
+        return (body.worker, body.dp_rank)
     return None
 
 

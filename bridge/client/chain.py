@@ -118,7 +118,7 @@ def _pickled(protocol: int) -> Callable[[Any], bytes]:
 
 def _xxh3_128(data: bytes) -> bytes:
     try:
-        import xxhash  # type: ignore[import-not-found]
+        import xxhash
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("the xxhash algorithms need the `xxhash` package (pip install xxhash)") from exc
     return bytes(xxhash.xxh3_128_digest(data))

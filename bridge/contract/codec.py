@@ -20,6 +20,6 @@ def encoder_for(fmt: str) -> Callable[[Any], bytes]:
     return msgspec.msgpack.Encoder().encode if fmt == "msgpack" else msgspec.json.Encoder().encode
 
 
-def decoder_for(fmt: str, type_: type) -> msgspec.msgpack.Decoder | msgspec.json.Decoder:  # type: ignore[type-arg]
+def decoder_for(fmt: str, type_: type) -> msgspec.msgpack.Decoder | msgspec.json.Decoder:
     """A decoder of `type_` for `fmt` (anything but msgpack reads as JSON)."""
     return msgspec.msgpack.Decoder(type_) if fmt == "msgpack" else msgspec.json.Decoder(type_)

@@ -511,7 +511,7 @@ class FleetResidency:
             t, u = self._state(tier, i, slot)
             c = t if layer == TRUSTED else u
             if c:
-                yield self._ids.hash_at(i), c  # type: ignore[misc]
+                yield self._ids.hash_at(i), c
 
     def held_copies(self, slot: int, group: int, medium: str,
                     pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]:
@@ -531,7 +531,7 @@ class FleetResidency:
                 yield None
                 continue
             t, u = state(tier, i, slot)
-            yield hash_at(i), t, u  # type: ignore[misc]
+            yield hash_at(i), t, u
 
     def held_columns(self, slot: int, group: int, medium: str) -> Generator[None, None, HeldColumns]:
         """The tier as a snapshot lists it (`held_copies`, then the

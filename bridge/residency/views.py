@@ -317,7 +317,7 @@ class GroupResidency:
         return out
 
 
-class _Groups(dict):  # type: ignore[type-arg]
+class _Groups(dict):
     """group → GroupResidency; putting a group in binds it to the view's slot,
     taking one out drops what it held."""
 
@@ -357,11 +357,11 @@ class _Groups(dict):  # type: ignore[type-arg]
         for group in list(self):
             del self[group]
 
-    def setdefault(self, group: int, res: GroupResidency | None = None) -> GroupResidency:  # type: ignore[override]
+    def setdefault(self, group: int, res: GroupResidency | None = None) -> GroupResidency:
         if group not in self:
             assert res is not None
             self[group] = res
-        return self[group]  # type: ignore[no-any-return]
+        return self[group]
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for group, res in dict(*args, **kwargs).items():
@@ -454,7 +454,7 @@ class WorkerView:
         if found is None:
             found = GroupResidency(group, kind, family)
             self._groups[group] = found
-        return found  # type: ignore[no-any-return]
+        return found
 
     def release(self) -> None:
         """The view is dropped: free its slot (the view is unusable after)."""

@@ -269,7 +269,7 @@ def _between(text: str, begin: str, end: str) -> str:
 
 
 def _valid_seed(seed: str) -> bool:
-    import nkeys  # type: ignore[import-untyped]
+    import nkeys
 
     try:
         nkeys.from_seed(bytearray(seed.encode())).wipe()

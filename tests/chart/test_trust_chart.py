@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(tool("helm") is None, reason=f"helm is not insta
 
 def _observe(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (dep,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-observe")]
-    return dep["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+    return dep["spec"]["template"]["spec"]
 
 
 def _secrets(pod: dict[str, Any]) -> set[str]:

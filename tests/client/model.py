@@ -10,16 +10,16 @@ from collections import Counter
 from tests.client.builders import STATE
 
 
-def replay(log: list[tuple]) -> tuple[dict, dict, dict, Counter, set]:  # type: ignore[type-arg]
+def replay(log: list[tuple]) -> tuple[dict, dict, dict, Counter, set]:
     """(trusted, suspect, placeholder) counters keyed (group, medium, h), unknown
     removals per group, and the groups seen, from one rank's log. A group is
     seen from its first store or removal, whatever it names: a store with no
     hash (a group's shape store) holds nothing but makes its group count in the
     prefix rule, so an empty state group allows no prefix."""
-    trusted: Counter = Counter()  # type: ignore[type-arg]
-    suspect: Counter = Counter()  # type: ignore[type-arg]
-    holder: Counter = Counter()  # type: ignore[type-arg]
-    unknown: Counter = Counter()  # type: ignore[type-arg]
+    trusted: Counter = Counter()
+    suspect: Counter = Counter()
+    holder: Counter = Counter()
+    unknown: Counter = Counter()
     groups: set[int] = set()
     for op in log:
         if op[0] == "store":

@@ -25,7 +25,7 @@ B = 16
 WINDOW = 64  # vLLM needs ceil(63 / 16) = 4 window blocks before a hit
 
 
-def _store(hashes: list, group: int, kind: str, medium: str = "GPU", window: int | None = None):  # type: ignore[no-untyped-def,type-arg]
+def _store(hashes: list, group: int, kind: str, medium: str = "GPU", window: int | None = None):
     return kv_events.BlockStored(
         block_hashes=hashes, parent_block_hash=None, token_ids=list(range(B * len(hashes))), block_size=B,
         lora_id=None, medium=medium, lora_name=None, group_idx=group, kv_cache_spec_kind=kind,
@@ -33,7 +33,7 @@ def _store(hashes: list, group: int, kind: str, medium: str = "GPU", window: int
     )
 
 
-def _remove(hashes: list, group: int, medium: str = "GPU"):  # type: ignore[no-untyped-def,type-arg]
+def _remove(hashes: list, group: int, medium: str = "GPU"):
     return kv_events.BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
 
 

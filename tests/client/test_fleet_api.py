@@ -11,7 +11,7 @@ from tests.client.builders import ATTN, STATE, hb, hi, msg, record, removed, sto
 CHAIN = [hb(i) for i in range(8)]
 
 
-def _fed(*items) -> ResidencyIndex:  # type: ignore[no-untyped-def]
+def _fed(*items) -> ResidencyIndex:
     index = ResidencyIndex()
     for item in items:
         index.apply(item)

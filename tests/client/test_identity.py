@@ -50,12 +50,12 @@ pytestmark = pytest.mark.anyio
 ENC = MessageEncoder("msgpack")
 
 
-async def _publish_group(nc: nats.NATS, subject: str, body, msg_id: str) -> None:  # type: ignore[no-untyped-def]
+async def _publish_group(nc: nats.NATS, subject: str, body, msg_id: str) -> None:
     out = ENC.group(body, SubjectBook("kv", body.worker, body.dp_rank), msg_id)
     await nc.publish(subject, out.payload, headers=out.headers)
 
 
-async def _publish_record(nc: nats.NATS, subject: str, rec, msg_id: str) -> None:  # type: ignore[no-untyped-def]
+async def _publish_record(nc: nats.NATS, subject: str, rec, msg_id: str) -> None:
     out = ENC.record(rec, SubjectBook("kv", rec.worker, rec.dp_rank), msg_id)
     await nc.publish(subject, out.payload, headers=out.headers)
 
@@ -172,7 +172,7 @@ async def test_a_snapshot_of_another_rank_is_refused_from_the_service_and_the_bu
         data = encode_snapshot(forged)
         parts = split(forged, data, "s1", 1 << 20)
 
-        async def answer(m) -> None:  # type: ignore[no-untyped-def]
+        async def answer(m) -> None:
             await nc.publish(m.reply, encode_part(parts[0]))
 
         await nc.subscribe(snapshot_subject("kv", "a", 0), cb=answer)  # a's service subject, b's snapshot

@@ -73,7 +73,7 @@ def assert_same_state(new: ResidencyIndex, ref: ReferenceIndex) -> None:
             assert g.suspect_count() == rg.suspect_count()
 
 
-def assert_same_answers(new: ResidencyIndex, ref: ReferenceIndex, chain: list, *,  # type: ignore[type-arg]
+def assert_same_answers(new: ResidencyIndex, ref: ReferenceIndex, chain: list, *,
                         fleet: bool = True, **kw: Any) -> None:
     """`fleet`: `new` keeps the fleet structure, whose `prefix_hits` is checked too."""
     got = new.longest_prefix(chain, **kw)
@@ -218,7 +218,7 @@ class FleetVersusReference(RuleBasedStateMachine):
 
     @rule(worker=workers, rank=ranks, group=groups, medium=media, hashes=some_hashes,
           placeholder=st.sampled_from([False, False, False, True]), shaped=st.booleans(), unknown_kind=st.booleans())
-    def store(self, worker: str, rank: int, group: int, medium: str | None, hashes: list, placeholder: bool,  # type: ignore[type-arg]
+    def store(self, worker: str, rank: int, group: int, medium: str | None, hashes: list, placeholder: bool,
               shaped: bool, unknown_kind: bool) -> None:
         window, block = self.shape if shaped else (0, 16)
         event = BlockStored(
@@ -251,7 +251,7 @@ class FleetVersusReference(RuleBasedStateMachine):
             self._both(m)
 
     @rule(worker=workers, rank=ranks, group=groups, medium=media, hashes=some_hashes)
-    def remove(self, worker: str, rank: int, group: int, medium: str | None, hashes: list) -> None:  # type: ignore[type-arg]
+    def remove(self, worker: str, rank: int, group: int, medium: str | None, hashes: list) -> None:
         self._send(worker, rank, group, [BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=group)])
 
     @rule(data=st.data())
@@ -309,7 +309,7 @@ class FleetVersusReference(RuleBasedStateMachine):
 
     @rule(chain=chains, media=st.sampled_from(QUERY_MEDIA), suspect=st.booleans(), unwatched=st.booleans(),
           skip=st.sampled_from([(), ("a",), ("b", "zz")]))
-    def query(self, chain: list, media: Any, suspect: bool, unwatched: bool, skip: tuple[str, ...]) -> None:  # type: ignore[type-arg]
+    def query(self, chain: list, media: Any, suspect: bool, unwatched: bool, skip: tuple[str, ...]) -> None:
         assert_same_answers(self.new, self.ref, chain, fleet=self.fleet, media=media, include_suspect=suspect,
                             include_unwatched=unwatched, skip_workers=skip)
 

@@ -30,13 +30,13 @@ WINDOW_NEED = 2  # window 33 tokens, blocks of 16: vLLM needs ceil(32/16) blocks
 @dataclass
 class RankModel:
     epoch: int = 1
-    log: list[tuple] = field(default_factory=list)  # type: ignore[type-arg]
+    log: list[tuple] = field(default_factory=list)
     watching: bool = True
     pending_reset: bool = False  # the epoch moved on without a record
     sent: list[GroupMessage] = field(default_factory=list)  # since the view's last reset
 
 
-def model_prefix(log: list[tuple], chain: list, media: tuple[str, ...] | None, with_suspect: bool) -> int:  # type: ignore[type-arg]
+def model_prefix(log: list[tuple], chain: list, media: tuple[str, ...] | None, with_suspect: bool) -> int:
     trusted, suspect, _, _, groups = replay(log)
     allowed = MEDIA if media is None else media
 
@@ -229,7 +229,7 @@ class IndexVersusModel(RuleBasedStateMachine):
             as_bytes = self.index.longest_prefix([hb(i) for i in ids], media=media, include_suspect=with_suspect)
             assert {(m.worker, m.dp_rank): m.blocks for m in as_bytes} == want
 
-    def _log(self, rank: int) -> list[tuple]:  # type: ignore[type-arg]
+    def _log(self, rank: int) -> list[tuple]:
         # While the epoch has moved unannounced, the index cannot know yet: it
         # still answers from the old log until the rank's next message.
         return self.ranks[rank].log

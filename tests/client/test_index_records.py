@@ -13,14 +13,14 @@ from tests.client.builders import ATTN, STATE, hb, msg, record, removed, stored
 CHAIN = [hb(i) for i in range(6)]
 
 
-def _fed(*items) -> ResidencyIndex:  # type: ignore[no-untyped-def]
+def _fed(*items) -> ResidencyIndex:
     index = ResidencyIndex()
     for item in items:
         index.apply(item)
     return index
 
 
-def _blocks(index: ResidencyIndex, **kw) -> int:  # type: ignore[no-untyped-def]
+def _blocks(index: ResidencyIndex, **kw) -> int:
     match = index.match("w", 0, CHAIN, **kw)
     return -1 if match is None else match.blocks
 

@@ -26,7 +26,7 @@ _INFO = json.dumps({"metadata": {"prefix": "kv"},
 
 
 async def _ghost_service(nc: nats.NATS) -> None:
-    async def answer(m) -> None:  # type: ignore[no-untyped-def]
+    async def answer(m) -> None:
         await nc.publish(m.reply, _INFO)
 
     await nc.subscribe(f"$SRV.INFO.{SNAPSHOT_SERVICE}", cb=answer)

@@ -18,14 +18,14 @@ from tests.client.builders import ATTN, OTHER_G, STATE, WIN, hb, hi, msg, remove
 CHAIN = [hb(i) for i in range(8)]
 
 
-def _index(*messages) -> ResidencyIndex:  # type: ignore[no-untyped-def]
+def _index(*messages) -> ResidencyIndex:
     index = ResidencyIndex()
     for m in messages:
         index.apply(m)
     return index
 
 
-def _blocks(index: ResidencyIndex, chain: list = CHAIN, **kw) -> int:  # type: ignore[no-untyped-def,type-arg]
+def _blocks(index: ResidencyIndex, chain: list = CHAIN, **kw) -> int:
     match = index.match("w", 0, chain, **kw)
     assert match is not None
     return match.blocks

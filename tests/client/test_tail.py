@@ -21,7 +21,7 @@ from tests.client.builders import hb, hi, msg, record, removed, stored
 pytestmark = pytest.mark.anyio
 
 
-def _encoded(fmt: str, seq: int):  # type: ignore[no-untyped-def]
+def _encoded(fmt: str, seq: int):
     book = SubjectBook("kv", "pod a", 1)
     group = msg([stored([hb(seq), hb(seq + 1)], medium="CPU"), removed([hi(seq)])], worker="pod a", rank=1, seq=seq)
     return MessageEncoder(fmt).group(group, book, f"pod~20a-dp1:1:1:{seq}")

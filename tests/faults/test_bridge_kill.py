@@ -101,7 +101,7 @@ async def test_bridge_killed_mid_stream_and_restarted_jetstream(nats_server: Nat
     assert fig.out_of_order == 0 and fig.wrong_seq == 0
 
 
-async def _run_bridge_until(settings, total: int, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+async def _run_bridge_until(settings, total: int, timeout: float = 20.0) -> None:
     """An in-process bridge until it has published `total` batches (or gives
     up waiting: the accounting after it says what is missing)."""
     async with running_bridge(settings) as bridge:

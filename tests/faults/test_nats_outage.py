@@ -135,7 +135,7 @@ async def test_nats_killed_and_restarted_jetstream_mode(restartable_nats: NatsSe
     assert fig.out_of_order == 0 and fig.wrong_seq == 0 and fig.gap_records == 0
 
 
-async def _freeze(server: NatsServerProcess, name: str, **bound: str):  # type: ignore[no-untyped-def]
+async def _freeze(server: NatsServerProcess, name: str, **bound: str):
     """SIGSTOP: the server accepts connections but reads nothing. The bridge's
     socket and nats-py's pending buffer fill, publishing blocks, and the bounded
     queue (`bound`: 40 batches by default) drops its oldest batches. Then SIGCONT."""

@@ -25,7 +25,7 @@ from tests.faults.harness import (
 pytestmark = pytest.mark.anyio
 
 
-def _vllm_batch(kv, pub: int, k: int):  # type: ignore[no-untyped-def]
+def _vllm_batch(kv, pub: int, k: int):
     h = ident(pub, k)
     return kv.KVEventBatch(ts=time.time(), events=[
         kv.BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=list(range(16)), block_size=16,
@@ -47,7 +47,7 @@ def _port_free(endpoint: str) -> bool:
     return True
 
 
-async def _new_publisher(kv, bind: dict[str, str]):  # type: ignore[no-untyped-def]
+async def _new_publisher(kv, bind: dict[str, str]):
     """A new process binds the old one's ports; ZMQ releases them a moment
     after close (its I/O thread), so wait for both, as a restarting pod would."""
     with anyio.fail_after(10):

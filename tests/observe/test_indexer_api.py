@@ -104,7 +104,7 @@ def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, An
 
 def _get(port: int, path: str) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:  # noqa: S310 - the test's
-        return resp.read().decode()  # type: ignore[no-any-return]
+        return resp.read().decode()
 
 
 @asynccontextmanager

@@ -42,7 +42,7 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopba
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
     with _OPENER.open(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
-        return resp.read()  # type: ignore[no-any-return]
+        return resp.read()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -153,7 +153,7 @@ def _query(api: str, expr: str) -> list[object]:
     url = f"{api}/query?" + urllib.parse.urlencode({"query": expr})
     body = json.loads(_get(url))
     assert body["status"] == "success", body
-    return body["data"]["result"]  # type: ignore[no-any-return]
+    return body["data"]["result"]
 
 
 def test_every_dashboard_query_returns_data(stack: dict[str, object]) -> None:

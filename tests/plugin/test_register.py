@@ -100,7 +100,7 @@ def _drop_method(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _change_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    def record_store(self, req, group_config, chunk_idx, offload_key, medium):  # type: ignore[no-untyped-def]
+    def record_store(self, req, group_config, chunk_idx, offload_key, medium):
         return None
 
     monkeypatch.setattr(Tracker, "record_store", record_store)
@@ -172,7 +172,7 @@ def _native_predicate(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _native_behaviour(monkeypatch: pytest.MonkeyPatch) -> None:
     # No predicate, but the tracker keeps a payload for a Mamba chunk itself.
-    def record_store(self, req, group_config, chunk_idx, offload_key):  # type: ignore[no-untyped-def]
+    def record_store(self, req, group_config, chunk_idx, offload_key):
         self._pending_event_metadata[offload_key] = object()
 
     monkeypatch.setattr(Tracker, "record_store", record_store)

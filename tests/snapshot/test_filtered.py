@@ -33,7 +33,7 @@ FILTERS: dict[str, tuple[set[tuple[str, int]], set[int] | None]] = {
 }
 
 
-def _state(index: ResidencyIndex, key: tuple[str, int], groups: set[int] | None) -> dict | None:  # type: ignore[type-arg]
+def _state(index: ResidencyIndex, key: tuple[str, int], groups: set[int] | None) -> dict | None:
     view = index.view(*key)
     if view is None:
         return None

@@ -209,7 +209,7 @@ def hybrid_effect(view: WorkerView, sample: int) -> tuple[int, int, int]:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def hybrid_steps(view: WorkerView, sample: int, every: int = 256) -> Generator[None, None, tuple[int, int, int]]:
@@ -253,7 +253,7 @@ def distinct_held(g: GroupResidency) -> int:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def distinct_held_steps(g: GroupResidency, every: int = 4096) -> Generator[None, None, int]:

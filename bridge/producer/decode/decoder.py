@@ -71,9 +71,9 @@ class BatchDecoder:
         self._second: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(arrays)
         self._arrays_first = False
         self._raw_batch = msgspec.msgpack.Decoder(RawEventBatch)
-        self._map_event = msgspec.msgpack.Decoder(RelayEvent if relay else Event)  # type: ignore[arg-type]
-        self._lenient_event = msgspec.msgpack.Decoder(LenientRelayEvent if relay else LenientEvent)  # type: ignore[arg-type]
-        self._array_event = msgspec.msgpack.Decoder(ArrayRelayEvent if relay else ArrayEvent)  # type: ignore[arg-type]
+        self._map_event = msgspec.msgpack.Decoder(RelayEvent if relay else Event)
+        self._lenient_event = msgspec.msgpack.Decoder(LenientRelayEvent if relay else LenientEvent)
+        self._array_event = msgspec.msgpack.Decoder(ArrayRelayEvent if relay else ArrayEvent)
         self._any = msgspec.msgpack.Decoder()
 
     def decode(self, payload: bytes) -> DecodedBatch:
@@ -122,7 +122,7 @@ class BatchDecoder:
         if head in _ARRAY_HEADS:
             return as_map_events([self._array_event.decode(item)])[0]
         try:
-            return self._map_event.decode(item)  # type: ignore[no-any-return]
+            return self._map_event.decode(item)
         except _DECODE_ERRORS:
             if head not in _MAP_HEADS:
                 raise

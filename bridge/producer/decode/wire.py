@@ -97,4 +97,4 @@ def from_lenient(event: LenientBlockStored | LenientBlockRemoved | AllBlocksClea
         return CLEARED
     # The relay's lenient struct holds its undecoded fields as Raw, the other one as lists.
     stored: Any = RelayBlockStored if relay else BlockStored
-    return stored(*msgspec.structs.astuple(event)[:VLLM_STORED_FIELDS])  # type: ignore[no-any-return]
+    return stored(*msgspec.structs.astuple(event)[:VLLM_STORED_FIELDS])

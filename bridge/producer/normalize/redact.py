@@ -68,7 +68,7 @@ class PromptRedactor:
         for item in items:
             if item.__class__ is not GroupMessage:
                 continue
-            for event in item.events:  # type: ignore[union-attr]
+            for event in item.events:
                 if event.__class__ is removed:
                     continue
                 # A BlockStored, or the relay's form of it (RelayBlockStored: Raw fields).

@@ -398,7 +398,7 @@ class ResidencyKeeper:
         flagged), its `Refusal` when it speaks for another worker, rank or
         group than `origin`, where it arrived (counted, never applied)."""
         try:
-            body = decoder.decode(payload)  # type: ignore[union-attr]
+            body = decoder.decode(payload)
         except (AttributeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._undecodable(origin, exc)
             return None
@@ -514,7 +514,7 @@ def _finish(steps: Generator[None, None, _T]) -> _T:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 class _Yield:
