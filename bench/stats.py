@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -83,6 +84,7 @@ def reset_peak_rss(pid: int) -> bool:
         return False
 
 
-def median(values: list[float]) -> float | None:
+def median(values: Sequence[float | None]) -> float | None:
+    """The median of the values given (None: not measured), None when none is."""
     clean = [v for v in values if v is not None]
     return statistics.median(clean) if clean else None
