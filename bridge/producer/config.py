@@ -104,7 +104,8 @@ OPTIONS: tuple[Option, ...] = (
            "the bridge is away and for the bridge's own restart; empty disables it."),
     Option("--snapshot-interval", "float", 30.0, "JetStream mode: seconds between bucket snapshots of a rank that changed."),
     Option("--snapshot-events", "int", 100000,
-           "JetStream mode: a rank's bucket snapshot is written sooner, once this many events came since the last."),
+           "JetStream mode: a rank's bucket snapshot is written sooner, once this many events came since the last "
+           "(or as many as the last one listed hashes, if more: a snapshot costs its rank's size)."),
     Option("--snapshot-log-bytes", "int", 32 * 1024 * 1024,
            "Memory held by published messages not yet applied to the bridge's residency (payloads and their "
            "entries), applied when idle or for a snapshot; past this the bridge is too busy to apply them and lets "
