@@ -7,34 +7,17 @@ from typing import cast
 
 import pytest
 
-from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.contract import GroupMessage
 from bridge.producer.sink.encode import Outgoing
 from bridge.producer.sink.queue import BatchQueue, LostRange, OutBatch
-from bridge.runtime.nats_server import NatsServerProcess, free_port
-from tests.busutil import BusCollector, make_settings, running_bridge
-
-
-def _free_pair() -> int:
-    """A port p with p+1 free too, as vLLM's DP rank offset needs."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no consecutive free ports")
+from bridge.runtime.nats_server import NatsServerProcess
+from tests.busutil import BusCollector, make_settings, rank_publishers, running_bridge
 
 
 @pytest.mark.anyio
 async def test_each_dp_rank_has_its_own_subjects_and_seq(nats_server: NatsServerProcess) -> None:
-    port, rport = _free_pair(), _free_pair()
-    pubs = [WirePublisher(f"tcp://*:{port + r}", f"tcp://*:{rport + r}") for r in (0, 1)]
+    port, rport, pubs = rank_publishers(2)
     settings = make_settings(zmq_endpoint=[f"tcp://127.0.0.1:{port}"], replay_endpoint=[f"tcp://127.0.0.1:{rport}"],
                              dp_ranks="2", nats_url=[nats_server.url], worker_id="w")
     bus = await BusCollector().start(nats_server.url)

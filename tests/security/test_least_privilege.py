@@ -14,7 +14,6 @@ users in the server config, and operator/account/user JWTs (`.creds`).
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,9 @@ import nats
 import nats.errors
 import pytest
 
-from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.runtime.nats_server import NatsServerProcess, free_port
+from tests.busutil import rank_publishers
 from tests.faults.harness import BridgeProcess, fault_batch, http_get, ident, metric_value, wait_http
 from tests.security.secure_nats import (
     READER_INBOX,
@@ -42,18 +41,6 @@ pytestmark = pytest.mark.anyio
 BATCHES = 20
 
 
-def _port_pair() -> int:
-    """A free port whose successor is free too (rank 1 listens on port + 1)."""
-    while True:
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-
-
 class Worker:
     """vLLM's publishers for `ranks` data-parallel ranks and a bridge for them."""
 
@@ -62,8 +49,7 @@ class Worker:
         self.worker = worker
         self.ranks = ranks
         self.sent = 0
-        pub_port, replay_port = _port_pair(), _port_pair()
-        self.pubs = [WirePublisher(f"tcp://*:{pub_port + r}", f"tcp://*:{replay_port + r}") for r in range(ranks)]
+        pub_port, replay_port, self.pubs = rank_publishers(ranks)
         self.http = free_port()
         args = ["--zmq-endpoint", f"tcp://127.0.0.1:{pub_port}", "--replay-endpoint",
                 f"tcp://127.0.0.1:{replay_port}", "--dp-ranks", str(ranks), "--nats-url", url, "--worker-id",

@@ -4,7 +4,6 @@ processes (vLLM's wire protocol per rank, `python -m bridge run` for it)."""
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,13 +11,12 @@ from typing import Any
 
 import anyio
 
-from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.workload import HybridWorkload
 from bridge.client.connection import BusConnection
 from bridge.client.subscribe import BusSubscriber
 from bridge.residency import ResidencyIndex
 from bridge.runtime.nats_server import free_port
-from tests.busutil import make_settings
+from tests.busutil import make_settings, rank_publishers
 from tests.faults.harness import BridgeProcess, wait_http
 
 
@@ -49,19 +47,6 @@ def caught_up(index: ResidencyIndex, worker: str, rank: int, seq: int) -> bool:
     return view is not None and view.last_seq == seq
 
 
-def port_run(n: int) -> int:
-    """A free port with the n-1 after it free too (rank r listens on port + r)."""
-    while True:
-        port = free_port()
-        try:
-            for r in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + r))
-            return port
-        except OSError:
-            continue
-
-
 class Worker:
     """A vLLM worker with `ranks` data-parallel ranks (a WirePublisher and a
     HybridWorkload each) and `kv-bridge run` for it, as a subprocess whose
@@ -72,8 +57,7 @@ class Worker:
         self.name = name
         self.ranks = ranks
         self.tmp = tmp
-        pub_port, replay_port = port_run(ranks), port_run(ranks)
-        self.pubs = [WirePublisher(f"tcp://*:{pub_port + r}", f"tcp://*:{replay_port + r}") for r in range(ranks)]
+        pub_port, replay_port, self.pubs = rank_publishers(ranks)
         self.works = [HybridWorkload(seed=seed + r, engine_shapes=True, dp_rank=r if ranks > 1 else None)
                       for r in range(ranks)]
         self.sent = [0] * ranks

@@ -19,15 +19,22 @@ class WirePublisher:
                  hwm: int = 100_000, first_seq: int = 0) -> None:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
         self._replay: zmq.Socket[bytes] | None = None
-        if replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-            self._replay.bind(replay_endpoint)
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(endpoint)
+            if replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            # A port taken: what was opened goes now. Left to the garbage
+            # collector, the context's finalizer waits for the open socket
+            # and holds whatever thread collects it.
+            self._ctx.destroy(linger=0)
+            raise
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         # (payload, drop) for a batch; a list of frames for raw bytes on the PUB socket.
