@@ -99,8 +99,9 @@ def _stop_quietly(signum: int, frame: Any) -> None:
 @contextmanager
 def _quiet_signals() -> Iterator[None]:
     """Until a command takes SIGINT, SIGTERM and SIGHUP itself (anyio's
-    signal receivers, `bridge.runtime.stopping`), they end the process with status 0; the previous handlers
-    come back after, for a caller that runs main() in its own process."""
+    signal receivers, `bridge.runtime.stopping`), they end the process with
+    status 0; the previous handlers come back after, for a caller that runs
+    main() in its own process."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

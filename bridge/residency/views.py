@@ -61,9 +61,6 @@ class SlotStore(Protocol):
 
     def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]: ...
 
-    def held_copies(self, slot: int, group: int, medium: str,
-                    pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]: ...
-
     def held_columns(self, slot: int, group: int, medium: str) -> Generator[None, None, HeldColumns]: ...
 
     def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]: ...
@@ -284,13 +281,6 @@ class GroupResidency:
         """Whether every one of `hashes` has a copy in `medium`, trusted or suspect."""
         f = self._fleet
         return not hashes if f is None else f.holds_all(self._slot, self.group, medium, hashes)
-
-    def held_copies(self, medium: str, pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]:
-        """(hash, trusted copies, suspect copies) of every hash held in
-        `medium`, in the order the group took them; with `pause`, None
-        between them at even intervals (FleetResidency.held_copies)."""
-        f = self._fleet
-        return iter(()) if f is None else f.held_copies(self._slot, self.group, medium, pause)
 
     def held_columns(self, medium: str) -> Generator[None, None, HeldColumns]:
         """`medium` as a snapshot lists it, pausing now and then (`SlotStore.held_columns`)."""

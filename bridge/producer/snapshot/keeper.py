@@ -468,15 +468,15 @@ class ResidencyKeeper:
         )
 
     async def export(self, dp_rank: int) -> tuple[RankSnapshot, bytes] | None:
-        """The rank's snapshot and its encoding, both made on the loop in slices
-        of about `IDLE_SLICE_S` (a large rank takes far longer than a batch may wait), so
-        that the loop reads ZMQ and publishes between them. Not in a worker
-        thread: that one holds the GIL but for the loop's turns, each of
-        which first waits out the interpreter's 5 ms switch interval, so a
-        batch meanwhile waits several of them. Like `catch_up_all`, it runs
-        while the relay is idle. The index is left alone meanwhile: what
-        comes waits in the log. Apply the log first (`catch_up_all`) for the
-        latest."""
+        """The rank's snapshot and its encoding, both made on the loop in
+        slices of about `IDLE_SLICE_S` (a large rank takes far longer than a
+        batch may wait), so that the loop reads ZMQ and publishes between
+        them. Not in a worker thread: that one holds the GIL but for the
+        loop's turns, each of which first waits out the interpreter's 5 ms
+        switch interval, so a batch meanwhile waits several of them. Like
+        `catch_up_all`, it runs while the relay is idle. The index is left
+        alone meanwhile: what comes waits in the log. Apply the log first
+        (`catch_up_all`) for the latest."""
         if self._lost and not self._exporting:
             self._mark_lost()
         self._exporting += 1
