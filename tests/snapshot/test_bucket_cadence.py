@@ -7,8 +7,10 @@ replays no more events than it listed hashes."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from bridge.contract.snapshot import TierState
 from bridge.producer.snapshot.bucket import SnapshotWriter, listed
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.producer.telemetry.metrics import Metrics
@@ -52,8 +54,14 @@ async def test_a_large_rank_is_written_again_after_as_many_events_as_it_listed_h
 async def test_listed_counts_every_layer_of_every_tier() -> None:
     keeper = ResidencyKeeper(WORKER, max_log_bytes=1 << 30, ranks=(0,))
     bridge = Bridge(keeper)
-    for i in range(7):
-        bridge.store(0, hi(i))
+    bridge.store(0, hi(1))
     keeper.catch_up()
     snap = keeper.snapshot(0)
-    assert snap is not None and listed(snap) == 7
+    assert snap is not None
+    group = snap.groups[0]
+    gpu = TierState("GPU", [hi(1), hi(2)], [], [hi(3)], [], [hi(4), hi(5), hi(6)], [])
+    cpu = TierState("CPU", [hi(7)], [2], [], [], [], [])
+    two = msgspec.structs.replace(snap, groups=[msgspec.structs.replace(group, tiers=[gpu, cpu]),
+                                                msgspec.structs.replace(group, group=1, tiers=[gpu])])
+    # copies do not count: hashes listed, 7 in the first group and 6 in the second
+    assert listed(two) == 13
