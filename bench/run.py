@@ -50,7 +50,8 @@ from bench.stats import cpu_seconds, median, memory_mb, own_cpu_seconds, reset_p
 from bench.traffic import Pool, cached
 from bridge.producer.config import add_run_arguments, load_settings
 from bridge.producer.sink.jetstream import stream_config
-from bridge.runtime.nats_server import NatsServerProcess, find_nats_server, free_port
+from bridge.runtime.nats_server import NatsServerProcess, find_nats_server
+from bridge.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -294,7 +294,8 @@ async def measure_fetch(form: str, blocks: int, seed: int, fetches: int) -> dict
     import nats
 
     from bridge.apps.demo.publisher import WirePublisher
-    from bridge.runtime.nats_server import NatsServerProcess, free_port
+    from bridge.runtime.nats_server import NatsServerProcess
+    from bridge.runtime.ports import free_port
 
     batches = wire_batches(history(form, blocks, seed))
     pub_port, http = free_port(), free_port()

@@ -10,14 +10,13 @@ from typing import Any
 import anyio
 import msgspec
 import nats
-import zmq
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.client.codec import BusCodec
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.config import OPTIONS, Settings, load_settings
 from bridge.producer.service import Bridge
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port, free_port_run
 
 
 def make_settings(**overrides: Any) -> Settings:
@@ -35,25 +34,19 @@ def endpoints() -> tuple[str, str]:
     return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
 
 
-def rank_publishers(ranks: int, attempts: int = 50) -> tuple[int, int, list[WirePublisher]]:
+def rank_publishers(ranks: int) -> tuple[int, int, list[WirePublisher]]:
     """(PUB port, replay port, publishers) for `ranks` data-parallel ranks,
-    rank r on each port + r as vLLM offsets them. A port found free can be
-    taken before it is bound (an outgoing connection's ephemeral port, say):
-    then every publisher made goes, and other ports are tried."""
-    for _ in range(attempts):
-        pub_port, replay_port = free_port(), free_port()
-        pubs: list[WirePublisher] = []
-        try:
-            for r in range(ranks):
-                pubs.append(WirePublisher(f"tcp://*:{pub_port + r}", f"tcp://*:{replay_port + r}"))
-        except zmq.ZMQError as exc:
-            for pub in pubs:
-                pub.close()
-            if exc.errno != zmq.EADDRINUSE:
-                raise
-            continue
-        return pub_port, replay_port, pubs
-    raise RuntimeError(f"no free ports for {ranks} ranks' publishers in {attempts} tries")
+    rank r on each port + r as vLLM offsets them."""
+    pub_port, replay_port = free_port_run(ranks), free_port_run(ranks)
+    pubs: list[WirePublisher] = []
+    try:
+        for r in range(ranks):
+            pubs.append(WirePublisher(f"tcp://*:{pub_port + r}", f"tcp://*:{replay_port + r}"))
+    except BaseException:
+        for pub in pubs:
+            pub.close()
+        raise
+    return pub_port, replay_port, pubs
 
 
 @asynccontextmanager

@@ -9,7 +9,7 @@ import zmq
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.run import run_demo
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings
 
 

@@ -12,7 +12,8 @@ from bridge.contract import BlockRemoved as WireRemoved
 from bridge.contract import BlockStored as WireStored
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.telemetry.metrics import MALFORMED_REASONS
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import BusCollector, make_settings, metric, running_bridge
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")

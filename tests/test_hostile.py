@@ -28,7 +28,8 @@ from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.client.codec import BusCodec
 from bridge.contract import HDR_RECORD, HDR_SEQ, WorkerRecord
 from bridge.producer.config import DEFAULT_MAX_FRAME_BYTES
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import endpoints
 
 pytestmark = [

@@ -20,7 +20,8 @@ from bridge.apps.demo.workload import HybridWorkload
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.config import Settings
 from bridge.producer.service import Bridge
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 
 pytestmark = pytest.mark.anyio

@@ -20,7 +20,8 @@ from bridge.producer.config import ConfigError, add_run_arguments, load_settings
 from bridge.producer.follow_vllm import parse_models
 from bridge.producer.service import Bridge
 from bridge.producer.source.discovery import DiscoveryError
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings
 from tests.test_vllm_url import StandIn, _publisher, _spawn, _vllm_config
 

@@ -26,7 +26,8 @@ from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.workload import HybridWorkload
 from bridge.producer.config import ConfigError, add_run_arguments, load_settings
 from bridge.producer.source.discovery import DiscoveryError, Skipped, Source, local_endpoint, parse_sources
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import BusCollector
 
 pytestmark = pytest.mark.anyio

@@ -39,12 +39,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _client_port(ports_file: Path) -> int | None:
     """The client port a nats-server wrote to its ports file, None until it has."""
     try:

@@ -12,7 +12,8 @@ import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.apps.demo.workload import HybridWorkload
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings, running_bridge
 
 pytestmark = pytest.mark.anyio

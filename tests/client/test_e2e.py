@@ -12,7 +12,8 @@ from bridge.apps.demo.wire_writer import encode_batch
 from bridge.apps.demo.wire_writer import stored as wire_stored
 from bridge.contract import BlockHash
 from bridge.residency.index import ResidencyIndex
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings, running_bridge
 from tests.client.builders import hb, hi
 from tests.client.live import live_index, wait_until

@@ -21,7 +21,8 @@ from bridge.cli import main
 from bridge.contract import GroupInfo, RankInfo, WorkerEntry, encode_entry, registry_key
 from bridge.producer.sink.registry_writer import WorkerRegistry
 from bridge.residency.index import ResidencyIndex
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings, running_bridge
 from tests.client.builders import hb, msg, record, stored
 

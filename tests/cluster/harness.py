@@ -28,7 +28,8 @@ import nats.js.api
 import nats.js.errors
 
 from bridge.contract import HDR_MSG_ID, GroupMessage, WorkerRecord
-from bridge.runtime.nats_server import answers, find_nats_server, free_port
+from bridge.runtime.nats_server import answers, find_nats_server
+from bridge.runtime.ports import free_port
 
 CLUSTER_NAME = "kvb"
 

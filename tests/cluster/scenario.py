@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 
 from bridge.apps.demo.publisher import WirePublisher
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 from tests.cluster.harness import (
     ClusterFigures,
     ClusterNode,

@@ -14,6 +14,7 @@ def test_a_taken_route_port_makes_the_cluster_start_on_new_ports(tmp_path: Path)
     cluster = NatsCluster(tmp_path / "cluster")
     taken = cluster.nodes[0].cluster_port
     with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the harness holds its ports in TIME_WAIT
         squatter.bind(("127.0.0.1", taken))
         squatter.listen()
         cluster.start()

@@ -13,7 +13,7 @@ import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract import BlockHash
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 from tests.cluster.harness import NatsCluster, read_stream
 from tests.faults.harness import BridgeProcess, fault_batch, http_get, ident, wait_http
 

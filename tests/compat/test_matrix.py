@@ -12,7 +12,6 @@ release's own publisher) goes through the bridge's real code.
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -30,7 +29,8 @@ from bridge.producer.decode.wire import RelayBlockStored
 from bridge.producer.source.frames import END_SEQ, parse_pub, parse_replay
 from bridge.producer.source.replay import ReplayClient
 from bridge.producer.telemetry.metrics import MALFORMED_REASONS
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port, free_port_run
 from tests.busutil import BusCollector, Received, make_settings, metric, running_bridge
 from tests.compat.goldens import END, Golden, all_names, find, index, load, sent_value, token_ids, version_key
 
@@ -282,25 +282,6 @@ def expected_messages(golden: Golden) -> list[Expected]:
     return out
 
 
-def _port_run(n: int) -> int:
-    """A port p with p..p+n-1 free: the bridge offsets a rank's ports as vLLM does."""
-    for _ in range(50):
-        base = free_port()
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
 @contextmanager
 def golden_worker(golden: Golden, ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[tuple[list[zmq.Socket[bytes]], int, int]]:
     """The golden's release as a vLLM worker: every data-parallel rank up to the
@@ -308,7 +289,7 @@ def golden_worker(golden: Golden, ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterat
     replay ROUTER; only the golden's rank has batches."""
     rank = golden.dp_rank or 0
     # one run of ports for both sockets, so the two sets cannot overlap
-    pub_base = _port_run(2 * (rank + 1))
+    pub_base = free_port_run(2 * (rank + 1))
     replay_base = pub_base + rank + 1
     pubs = []
     with ExitStack() as stack:

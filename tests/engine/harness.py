@@ -25,7 +25,7 @@ from bridge.client.connection import BusConnection
 from bridge.client.subscribe import BusMessage, BusSubscriber
 from bridge.contract import BlockStored, GroupMessage, WorkerRecord
 from bridge.residency.index import ResidencyIndex
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings
 from tests.engine.models import MODELS
 

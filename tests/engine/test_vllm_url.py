@@ -16,7 +16,8 @@ import anyio
 import pytest
 
 from bridge.contract import BlockStored
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import BusCollector
 from tests.engine.harness import ENGINE_PY, ENGINE_START_S, KV_BRIDGE, requires_engine
 from tests.engine.models import MODELS

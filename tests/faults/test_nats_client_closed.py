@@ -16,7 +16,8 @@ import anyio
 import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import endpoints
 from tests.faults.harness import (
     BridgeProcess,

@@ -19,7 +19,8 @@ from bridge.apps.demo.publisher import WirePublisher
 from bridge.producer.config import DEFAULT_MAX_FRAME_BYTES
 from bridge.producer.source.frames import socket_limit
 from bridge.producer.source.recovery import ReplayPolicy
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import endpoints
 from tests.faults.harness import (
     BridgeProcess,

@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import endpoints, make_settings, metric, running_bridge
 from tests.faults.harness import (
     BridgeProcess,

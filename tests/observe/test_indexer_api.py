@@ -14,7 +14,6 @@ figures are /v1/prefix's blocks times the block size."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -34,7 +33,8 @@ from bridge.client.chain import ChainHasher
 from bridge.client.connection import settings_for
 from bridge.contract import BlockHash, Event
 from bridge.residency.hashes import as_int
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port_run
 from tests.busutil import make_settings, running_bridge
 from tests.observe.indexer_client import IndexerClient, InstanceHit, Reply
 
@@ -80,19 +80,6 @@ EXPECTED = {
 }
 
 
-def _ports(ranks: int) -> int:
-    """A free port with the next ranks - 1 free too (vLLM offsets a rank's port by it)."""
-    while True:
-        base = free_port()
-        try:
-            for r in range(1, ranks):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + r))
-        except OSError:
-            continue
-        return base
-
-
 def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST")
     try:
@@ -114,7 +101,7 @@ async def _fleet(nats_url: str) -> AsyncIterator[Callable[[], None]]:
     sends: list[tuple[WirePublisher, int, list[Event]]] = []
     async with AsyncExitStack() as stack:
         for (worker, model, tenant), ranks in FLEET.items():
-            base = _ports(len(ranks))
+            base = free_port_run(len(ranks))
             for rank, events in ranks.items():
                 pub = WirePublisher(f"tcp://*:{base + rank}", None)
                 stack.callback(pub.close)

@@ -18,7 +18,8 @@ from bridge.apps.fleet import ObserveOptions, ObserveService
 from bridge.client.chain import ChainHasher
 from bridge.client.connection import settings_for
 from bridge.contract import BlockHash, Event
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings, running_bridge
 
 pytestmark = pytest.mark.anyio

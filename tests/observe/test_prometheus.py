@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "helm" / "kv-bridge" / "dashboards").glob("*.json"))

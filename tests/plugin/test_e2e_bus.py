@@ -12,7 +12,8 @@ import anyio
 import pytest
 
 from bridge.contract import BlockStored, GroupMessage
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import BusCollector, make_settings, running_bridge
 from tests.plugin.hybrid import ATTENTION, MAMBA, WINDOW, patched_events
 

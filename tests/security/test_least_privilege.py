@@ -23,7 +23,8 @@ import nats.errors
 import pytest
 
 from bridge.contract import GroupMessage, WorkerRecord
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import rank_publishers
 from tests.faults.harness import BridgeProcess, fault_batch, http_get, ident, metric_value, wait_http
 from tests.security.secure_nats import (

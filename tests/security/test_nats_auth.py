@@ -20,7 +20,8 @@ import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.runtime.access import connect_options
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 from tests.busutil import endpoints, make_settings
 from tests.faults.harness import BridgeProcess, http_get, wait_http
 from tests.fuzz.live import good_batch

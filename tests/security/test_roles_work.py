@@ -21,7 +21,7 @@ from bridge.apps.fleet.options import ObserveOptions
 from bridge.apps.fleet.service import ObserveService
 from bridge.apps.permissions import Layout, roles, server_config
 from bridge.client import settings_for
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings, running_bridge, wait_published
 from tests.security.secure_nats import secret_word, start_server
 

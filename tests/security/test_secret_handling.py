@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 from tests.faults.harness import BridgeProcess, http_get, wait_http
 from tests.security.secure_nats import (
     Pki,

@@ -15,7 +15,7 @@ from bridge.apps.demo.workload import HybridWorkload
 from bridge.client.connection import BusConnection
 from bridge.client.subscribe import BusSubscriber
 from bridge.residency import ResidencyIndex
-from bridge.runtime.nats_server import free_port
+from bridge.runtime.ports import free_port
 from tests.busutil import make_settings, rank_publishers
 from tests.faults.harness import BridgeProcess, wait_http
 

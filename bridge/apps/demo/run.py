@@ -28,7 +28,8 @@ from bridge.client.codec import BusCodec
 from bridge.contract import BlockHash, WorkerRecord
 from bridge.producer.config import Settings
 from bridge.producer.service import Bridge
-from bridge.runtime.nats_server import NatsServerProcess, free_port
+from bridge.runtime.nats_server import NatsServerProcess
+from bridge.runtime.ports import free_port
 
 log = structlog.get_logger("bridge.demo")
 
