@@ -16,6 +16,7 @@ from bridge.client.codec import BusCodec
 from bridge.contract import GroupMessage, WorkerRecord
 from bridge.producer.config import OPTIONS, Settings, load_settings
 from bridge.producer.service import Bridge
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.ports import free_port, free_port_run
 
 
@@ -83,7 +84,7 @@ class BusCollector:
     async def start(self, url: str, subject: str = "kv.>") -> BusCollector:
         self.nc = await nats.connect(url)
         await self.nc.subscribe(subject, cb=self._on_msg)
-        await self.nc.flush()
+        await flushed(self.nc)
         return self
 
     async def _on_msg(self, msg: Any) -> None:

@@ -28,6 +28,7 @@ from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.client.codec import BusCodec
 from bridge.contract import HDR_RECORD, HDR_SEQ, WorkerRecord
 from bridge.producer.config import DEFAULT_MAX_FRAME_BYTES
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_server import NatsServerProcess
 from bridge.runtime.ports import free_port
 from tests.busutil import endpoints
@@ -180,7 +181,7 @@ class _Bus:
     async def start(self, url: str) -> _Bus:
         self.nc = await nats.connect(url, pending_size=512 * 1024 * 1024)
         await self.nc.subscribe("kv.hostile.>", cb=self._on_msg)
-        await self.nc.flush()
+        await flushed(self.nc)
         return self
 
     async def _on_msg(self, msg: Any) -> None:

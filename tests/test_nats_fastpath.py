@@ -27,6 +27,7 @@ from bridge.producer.sink.nats_fastpath import (
     missing_internals,
     select_path,
 )
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_py import PINNED_NATS_PY, installed_nats_py
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import BusCollector, endpoints, make_settings, metric, wait_published
@@ -240,7 +241,7 @@ async def test_a_disconnect_takes_the_sinks_frames_back_out_of_nats_pys_buffer(n
             seen.append(msg.subject)
 
         await reader.subscribe(">", cb=on_msg)
-        await reader.flush()
+        await flushed(reader)
         # something of nats-py's waiting in its buffer: the sink's write queues behind it
         await nc._send_command(b"PUB other.subject 1\r\nx\r\n")  # noqa: SLF001
         await path.write(nc, [Outgoing("kv.w.0", b"payload", {"Nats-Msg-Id": "w:0"}, "attention", 1)], None)
@@ -307,7 +308,7 @@ async def test_acks_gathered_while_the_socket_rests_all_arrive_and_reading_resum
             others.append(msg.data)
 
         await nc.subscribe("other", cb=on_other)
-        await nc.flush()
+        await flushed(nc)
         n = 60
         for i in range(n):
             msg = Outgoing(f"gather.{i % 3}", b"x", {"Nats-Msg-Id": f"g:{i}"}, "attention", 1)

@@ -44,6 +44,7 @@ from bridge.client.identity import IdentityGuard
 from bridge.contract import DEFAULT_STREAM
 from bridge.contract.snapshot import RankSnapshot, SnapshotMissing
 from bridge.residency.index import Interruption
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.stream_state import stream_holdings
 
 # While fetching snapshots, how often an idle buffering loop looks for messages.
@@ -174,7 +175,7 @@ class BusSubscriber:
         if self.since is None:
             self._sub = await nc.subscribe(self.subject)
             # Registered with the server before we return: a caller may publish next.
-            await nc.flush()
+            await flushed(nc)
         else:
             config = await self._stream_bootstrap() if self.since.policy == "snapshot" else consumer_config(self.since)
             self._consumer = OwnConsumer(nc, self.stream, config.evolve(filter_subject=self.subject))

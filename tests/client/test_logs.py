@@ -15,6 +15,7 @@ import pytest
 from bridge.contract.snapshot import SNAPSHOT_SERVICE
 from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.subjects import SubjectBook
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.client.builders import hb, msg, stored
 
@@ -30,7 +31,7 @@ async def _ghost_service(nc: nats.NATS) -> None:
         await nc.publish(m.reply, _INFO)
 
     await nc.subscribe(f"$SRV.INFO.{SNAPSHOT_SERVICE}", cb=answer)
-    await nc.flush()
+    await flushed(nc)
 
 
 async def test_tail_json_with_a_snapshot_missing_keeps_stdout_to_its_lines(nats_server: NatsServerProcess) -> None:

@@ -35,6 +35,7 @@ import psutil
 
 from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.contract import GroupMessage, WorkerRecord
+from bridge.runtime.nats_barrier import flushed
 
 ATTN_GROUP, STATE_GROUP = 0, 2
 GROUPS = (ATTN_GROUP, STATE_GROUP)
@@ -82,7 +83,7 @@ class LiveBus:
                                      pending_size=64 * 1024 * 1024)
         await self.nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=1_000_000,
                                 pending_bytes_limit=1024 * 1024 * 1024)
-        await self.nc.flush()
+        await flushed(self.nc)
         return self
 
     async def _on_msg(self, msg: Any) -> None:
@@ -101,7 +102,7 @@ class LiveBus:
             heard.set()
 
         sub = await self.nc.subscribe(probe, cb=on_probe)
-        await self.nc.flush()
+        await flushed(self.nc)
         pub = await nats.connect(url)
         try:
             with anyio.fail_after(timeout):

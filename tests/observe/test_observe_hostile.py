@@ -19,6 +19,7 @@ import pytest
 from bench.observe_load import _fill, hostile_requests, run_clients
 from bridge.apps.fleet import ObserveOptions, ObserveService
 from bridge.client.connection import settings_for
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_server import NatsServerProcess
 
 pytestmark = pytest.mark.anyio
@@ -85,7 +86,7 @@ async def test_requests_whose_reply_is_no_inbox_get_no_answer(nats_server: NatsS
             await nc.subscribe("kv.b.0", cb=on_stream_subject)
             for subject in ("kvobserve.prefix", "kvobserve.workers", "$SRV.INFO.kv-observe", "$SRV.PING"):
                 await nc.publish(subject, body, reply="kv.b.0")
-            await nc.flush()
+            await flushed(nc)
             answered = await nc.request("kvobserve.prefix", body, timeout=10)  # an inbox request, after them
             assert "workers" in json.loads(answered.data)
             await nc.flush()

@@ -46,6 +46,7 @@ from bridge.contract.snapshot import (
     encode_snapshot,
     split,
 )
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.faults.harness import ATTN_GROUP, http_get, wait_http
 from tests.security.secure_nats import secret_word, start_server
@@ -97,7 +98,7 @@ class Client:
     async def subscribe(self, subject: str) -> str:
         before = len(self.errors)
         sub = await self.nc.subscribe(subject)
-        await self.nc.flush()
+        await flushed(self.nc)
         refused = await self._refused(f'permissions violation for subscription to "{subject.lower()}"', before)
         await sub.unsubscribe()
         return "refused: permissions violation" if refused else "subscribed"
@@ -692,7 +693,7 @@ async def test_attack_table_core(tmp_path: Path, capsys: pytest.CaptureFixture[s
                     strangers.append(msg.subject)
 
         await reader.nc.subscribe("kv.>", cb=on_msg)
-        await reader.nc.flush()
+        await flushed(reader.nc)
         for who, what, expected, run in await _common("core", a, reader):
             row = Row("core", who, what, expected)
             try:

@@ -23,6 +23,7 @@ import nats.errors
 import pytest
 
 from bridge.contract import GroupMessage, WorkerRecord
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_server import NatsServerProcess
 from bridge.runtime.ports import free_port
 from tests.busutil import rank_publishers
@@ -105,7 +106,7 @@ async def _reader(url: str, **auth: Any) -> tuple[Any, list[tuple[str, GroupMess
 
     nc = await nats.connect(url, error_cb=on_error, **auth)
     await nc.subscribe("kv.>", cb=on_msg)
-    await nc.flush()
+    await flushed(nc)
     return nc, seen, errors
 
 

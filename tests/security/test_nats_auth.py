@@ -20,6 +20,7 @@ import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.runtime.access import connect_options
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_server import NatsServerProcess
 from bridge.runtime.ports import free_port
 from tests.busutil import endpoints, make_settings
@@ -202,7 +203,7 @@ async def _collector(url: str, overrides: dict[str, Any]) -> tuple[Any, list[str
         subjects.append(msg.subject)
 
     await nc.subscribe("kv.>", cb=on_msg)
-    await nc.flush()
+    await flushed(nc)
     return nc, subjects
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from bridge.apps.demo.publisher import WirePublisher
 from bridge.contract.snapshot import decode_part
+from bridge.runtime.nats_barrier import flushed
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import endpoints, make_settings, metric, running_bridge, wait_published
 from tests.faults.harness import fault_batch
@@ -54,7 +55,7 @@ async def test_asking_again_costs_no_new_snapshot(nats_server: NatsServerProcess
 
             sub = await nc.subscribe("not.an.inbox", cb=on_msg)
             await nc.publish(SUBJECT, b"", reply="not.an.inbox")
-            await nc.flush()
+            await flushed(nc)
             await anyio.sleep(0.5)
             assert got == []
             await sub.unsubscribe()
