@@ -53,6 +53,7 @@ from bridge.producer.sink.stream_setup import StreamState, stream_state
 from bridge.producer.telemetry.health import Health
 from bridge.producer.telemetry.metrics import Metrics
 from bridge.runtime.access import connect_options
+from bridge.runtime.nats_barrier import flushed
 
 log = structlog.get_logger("bridge.nats")
 
@@ -664,14 +665,14 @@ class NatsSink:
     # -- shutdown --------------------------------------------------------
 
     async def flush(self) -> None:
-        """Everything queued out, JetStream acks in, bytes on the wire. The
-        publishing task (run) does the work, a lost ack's recovery included."""
+        """Everything queued out, JetStream acks in, and read by nats-server.
+        The publishing task (run) does the work, a lost ack's recovery included."""
         while len(self._queue) or len(self._acks):
             await anyio.sleep(0.01)
         self._announce_reordered()
         if self.nc is not None and self.nc.is_connected:
             try:
-                await self.nc.flush(timeout=5)
+                await flushed(self.nc, timeout=5)
             except (nats.errors.Error, TimeoutError) as exc:  # lost on the way out: nothing more to do
                 log.warning("nats_flush_failed", error=type(exc).__name__)
 
