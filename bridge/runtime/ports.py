@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import socket
 
+# The connection and its FIN stay on this host: a wait this long is a fault.
+_LOOPBACK_WAIT_S = 5.0
+
 
 def _hold_in_time_wait(listener: socket.socket) -> None:
     """Connect to the bound listener and close the accepted end first: that
@@ -22,7 +25,7 @@ def _hold_in_time_wait(listener: socket.socket) -> None:
     that end: without it a server's own SO_REUSEADDR bind is refused too."""
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.listen(1)
-    with socket.create_connection(listener.getsockname()[:2]) as client:
+    with socket.create_connection(listener.getsockname()[:2], timeout=_LOOPBACK_WAIT_S) as client:
         accepted, _ = listener.accept()
         accepted.close()
         client.recv(1)  # the FIN: the accepted end has closed first
