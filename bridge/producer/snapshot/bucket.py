@@ -10,9 +10,9 @@ the rank changed, and on exit; sooner once `--snapshot-events` events came
 since the last, or as many events as the last one listed hashes if that is
 more. A snapshot costs its rank's size to read, encode and put, so writing
 one per that many events keeps its cost per event bounded however large the
-rank grows (a whole rank of 368,308 hashes every 100,000 events was most of
-JetStream mode's tail at 50,000 events/s), and a consumer that starts from it
-replays no more events than the snapshot listed hashes.
+rank grows (at 50,000 events/s, a rank of 368,308 hashes written every
+100,000 events is most of JetStream mode's tail), and a consumer that starts
+from it replays no more events than the snapshot listed hashes.
 """
 
 from __future__ import annotations
