@@ -31,26 +31,20 @@ def _hold_in_time_wait(listener: socket.socket) -> None:
         client.recv(1)  # the FIN: the accepted end has closed first
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` that nothing holds and that the kernel will not hand
-    out by itself for about a minute."""
+def _hold(host: str, port: int) -> int:
+    """Bind `port` (0: one the kernel picks) and hold it in TIME_WAIT; its
+    number. The bind is made without SO_REUSEADDR, so a port already held
+    (handed out here and not yet bound, perhaps) raises OSError as taken."""
     with socket.socket() as listener:
-        listener.bind((host, 0))
+        listener.bind((host, port))
         _hold_in_time_wait(listener)
         return int(listener.getsockname()[1])
 
 
-def _reserve(host: str, port: int) -> bool:
-    """Hold `port` as `free_port` holds its ports, False if it is taken. A
-    port already held in TIME_WAIT (handed out and not yet bound, perhaps)
-    counts as taken: the bind is made without SO_REUSEADDR."""
-    with socket.socket() as listener:
-        try:
-            listener.bind((host, port))
-        except OSError:
-            return False
-        _hold_in_time_wait(listener)
-        return True
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that nothing holds and that the kernel will not hand
+    out by itself for about a minute."""
+    return _hold(host, 0)
 
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
@@ -60,6 +54,10 @@ def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> in
         base = free_port(host)
         if base + count - 1 > 65535:
             continue
-        if all(_reserve(host, base + r) for r in range(1, count)):
-            return base
+        try:
+            for r in range(1, count):
+                _hold(host, base + r)
+        except OSError:
+            continue
+        return base
     raise OSError(f"no run of {count} free ports on {host} in {attempts} tries")
