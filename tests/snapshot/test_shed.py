@@ -33,7 +33,7 @@ class Bridge:
 
     def __init__(self, keeper: ResidencyKeeper) -> None:
         self.keeper = keeper
-        self.encoder = MessageEncoder("msgpack")
+        self.encoder = MessageEncoder("msgpack", keep_bodies=True)
         self.seq = {0: 0, 1: 0}
 
     def store(self, rank: int, *hashes: int) -> None:

@@ -227,7 +227,8 @@ class AckWindow:
         self._room: anyio.Event | None = None
         self._watch = -1
         self._watched: anyio.Event | None = None
-        # Encoded bytes in flight (payloads and headers): the window's memory.
+        # What the messages in flight hold in memory (`Outgoing.held`): their
+        # encoded bytes, and the contract messages they carry for the keeper.
         self.bytes = 0
         # Order records (see the module's docstring); kept only in trouble.
         self._ahead: deque[_Stored] = deque()
@@ -250,7 +251,7 @@ class AckWindow:
         token = self._next
         self._next = token + 1
         self._pending[token] = Pending(msg, origin, generation, now, self._wire_base + token)
-        self.bytes += msg.nbytes
+        self.bytes += msg.held
         return f"{self.inbox}.{token}"
 
     def resend(self, tokens: Iterable[int], generation: int, now: float) -> tuple[list[Outgoing], list[str]]:
@@ -292,7 +293,7 @@ class AckWindow:
         self._hand_over()
 
     def _settle(self, msg: Outgoing) -> None:
-        self.bytes -= msg.nbytes
+        self.bytes -= msg.held
 
     def give_up(self, token: int) -> Pending | None:
         """The message will never be stored (refused for good, or forbidden): out of the window."""
@@ -354,7 +355,7 @@ class AckWindow:
                 self.trouble = Trouble.REFUSED
             self._wake(token)
             return
-        self.bytes -= entry.msg.nbytes
+        self.bytes -= entry.msg.held
         if token == self._head and entry.doubt is None and not self._ahead and not self._resent:
             # The oldest, acked first, nothing in doubt: nothing to compare.
             self._head = token + 1
