@@ -69,8 +69,15 @@ ident = StreamIdentity(worker="bench", dp_rank=0, topic="", epoch=1)
 stats = NormalizeStats()
 keeper = ResidencyKeeper("bench")
 
+first_seq = 0
+
 def one_round():
-    for seq, payload in enumerate(payloads):
+    # Each round's batches come after the last round's, as a publisher cycling
+    # its traffic sends them: a keeper takes a seq it applied already for a
+    # copy, and would skip it.
+    global first_seq
+    seq0, first_seq = first_seq, first_seq + len(payloads)
+    for seq, payload in enumerate(payloads, seq0):
         batch = decoder.decode(payload)
         if upto == 1:
             continue
