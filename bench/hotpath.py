@@ -60,10 +60,7 @@ pool = next(p for p in pools if p[0] == size)
 payloads, events = pool[1], sum(pool[2])
 decoder = BatchDecoder(relay=True)
 normalizer = Normalizer(KindBook({}), False)
-try:  # the keeper applies what the encoder hands it, where a tree's encoder can
-    encoder = MessageEncoder("msgpack", keep_bodies=upto == 4)
-except TypeError:
-    encoder = MessageEncoder("msgpack")
+encoder = MessageEncoder("msgpack")
 subjects = SubjectBook("kv", "bench", 0)
 ident = StreamIdentity(worker="bench", dp_rank=0, topic="", epoch=1)
 stats = NormalizeStats()

@@ -125,7 +125,7 @@ def encoded(messages: list[GroupMessage]) -> list[Any]:
     from bridge.producer.sink.encode import MessageEncoder
     from bridge.producer.sink.subjects import SubjectBook
 
-    encoder = MessageEncoder("msgpack", keep_bodies=True)
+    encoder = MessageEncoder("msgpack")
     book = SubjectBook("kv", WORKER, 0)
     return [encoder.group(msg, book, f"{WORKER}:1") for msg in messages]
 

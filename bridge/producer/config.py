@@ -68,7 +68,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--keep-placeholders", "bool", False, "Forward window placeholders (block_size=0), flagged, instead of dropping them."),
     Option("--max-frame-bytes", "int", 0, "Largest payload frame accepted from ZMQ; larger ones are counted and skipped. 0: 8 MiB with msgpack output, 4 MiB with JSON output (which decodes every field, so a frame costs more memory)."),
     Option("--max-buffered-batches", "int", 10000, "Batches held in memory while NATS is slow or away; past it the oldest go and a gap record says so."),
-    Option("--max-buffered-bytes", "int", 256 * 1024 * 1024, "Memory held by queued batches the same way (the bound for large batches): their encoded bytes, and with snapshots on the messages they carry for the keeper; 0 for none."),
+    Option("--max-buffered-bytes", "int", 256 * 1024 * 1024, "Encoded bytes held in memory the same way (the bound for large batches); 0 for none."),
     Option("--zmq-rcvhwm", "int", 100000, "ZMQ SUB receive high-water mark (messages)."),
     Option("--coalesce-ms", "float", 0.5,
            "When vLLM batches come less than this apart, wait this long after taking some, so the next few go to NATS in one write (0: never wait). Slower streams and backlogs never wait."),
@@ -92,7 +92,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--stream-replicas", "int", 1,
            "Replicas of the stream the bridge creates (1-5; 3 on a three-server cluster). An existing stream keeps its own (a differing one is logged)."),
     Option("--js-max-pending", "int", 16384, "JetStream publishes in flight without an ack: enough to ride out a stream's pauses of a few hundred ms without holding up live delivery (a reconnect sends them again; --js-max-pending-bytes bounds their memory)."),
-    Option("--js-max-pending-bytes", "int", 64 * 1024 * 1024, "Memory held by JetStream publishes in flight without an ack (the window's bound for large batches): their encoded bytes, and with snapshots on the messages they carry for the keeper."),
+    Option("--js-max-pending-bytes", "int", 64 * 1024 * 1024, "Encoded bytes of JetStream publishes in flight without an ack (the window's memory bound for large batches)."),
     Option("--js-ack-timeout", "float", 5.0, "Seconds to wait for one JetStream ack before retrying."),
     Option("--registry-bucket", "str", DEFAULT_BUCKET, "JetStream key-value bucket for the worker registry (JetStream mode); empty disables it."),
     Option("--heartbeat-interval", "float", 5.0, "Seconds between worker registry heartbeats."),
@@ -107,8 +107,8 @@ OPTIONS: tuple[Option, ...] = (
            "JetStream mode: a rank's bucket snapshot is written sooner, once this many events came since the last "
            "(or as many as the last one listed hashes, if more: a snapshot costs its rank's size)."),
     Option("--snapshot-log-bytes", "int", 32 * 1024 * 1024,
-           "Memory held by published messages not yet applied to the bridge's residency (the contract messages "
-           "and their entries), applied when idle or for a snapshot; past this the bridge is too busy to apply them and lets "
+           "Memory held by published messages not yet applied to the bridge's residency (payloads and their "
+           "entries), applied when idle or for a snapshot; past this the bridge is too busy to apply them and lets "
            "them go, its snapshots then stale and partial."),
     *NATS_AUTH_OPTIONS,
 )

@@ -173,7 +173,7 @@ class Bridge:
         s = self.settings
         log.info("bridge_starting", version=__version__, settings=s.redacted())
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        encoder = MessageEncoder(s.format, keep_bodies=self.keeper is not None)
+        encoder = MessageEncoder(s.format)
         shared = StreamSettings.of(s)
         watch = self._input
         for plan in stream_plans(s):

@@ -1,8 +1,7 @@
 """Group messages as residency reads them: only the fields its rules use.
 
-A consumer that keeps residency and nothing else (the bridge's keeper when it
-rebuilds a rank from its stream, an index behind a router) need not build
-every token id of every store: decoding
+A consumer that keeps residency and nothing else (the bridge's own keeper, an
+index behind a router) need not build every token id of every store: decoding
 `token_ids` as a list of ints is most of what a full `GroupMessage` decode
 costs. `ResidencyMessage` takes the same msgpack payload, leaves token ids as
 the encoded array (`msgspec.Raw`) and drops the fields residency never reads

@@ -193,7 +193,7 @@ class SimBridge:
                  bucket: MemoryBucket | None, clock: Callable[[], float]) -> None:
         self.keeper = ResidencyKeeper(WORKER, max_log_bytes=log_bytes)
         self.service = SnapshotService(self.keeper, PREFIX, list(RANKS), _METRICS, lambda: MAX_PAYLOAD)
-        encoder = MessageEncoder(fmt, keep_bodies=True)
+        encoder = MessageEncoder(fmt)
         self.idents = {r: StreamIdentity(WORKER, r, TOPIC, epochs[r]) for r in RANKS}
         self.framing = {
             r: Framing(r, self.idents[r], SubjectBook(PREFIX, WORKER, r), encoder, lambda: max_payload, _METRICS,

@@ -55,7 +55,7 @@ from tests.snapshot.views import view_state
 RANKS: tuple[RankKey, ...] = (("pa", 0), ("pa", 1), ("pb", 0))
 FILTERS = ("kv.>", "kv.*.*", "kv.*.>", "kv.pa.*", "kv.pa.>", "kv.pa-dp1.>", "kv.pb.*")
 POOL = 8
-ENCODER = MessageEncoder("msgpack", keep_bodies=True)
+ENCODER = MessageEncoder("msgpack")
 CODEC = BusCodec()
 
 

@@ -33,7 +33,7 @@ class Bridge:
 
     def __init__(self, keeper: ResidencyKeeper) -> None:
         self.keeper = keeper
-        self.encoder = MessageEncoder("msgpack", keep_bodies=True)
+        self.encoder = MessageEncoder("msgpack")
         self.seq = {0: 0, 1: 0}
 
     def store(self, rank: int, *hashes: int) -> None:
@@ -49,7 +49,7 @@ class Bridge:
 
 
 def test_a_log_past_its_bound_is_let_go_and_its_ranks_say_so() -> None:
-    keeper = ResidencyKeeper(WORKER, max_log_bytes=160 * 1024, ranks=(0, 1))
+    keeper = ResidencyKeeper(WORKER, max_log_bytes=96 * 1024, ranks=(0, 1))
     bridge = Bridge(keeper)
     for i in range(5):
         bridge.store(0, hi(i))

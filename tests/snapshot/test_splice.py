@@ -38,7 +38,7 @@ class FakeBridge:
     def __init__(self, nc: Any) -> None:
         self.nc = nc
         self.keeper = ResidencyKeeper(WORKER)
-        self.encoder = MessageEncoder("msgpack", keep_bodies=True)
+        self.encoder = MessageEncoder("msgpack")
         self.book = SubjectBook("kv", WORKER, 0)
         self.seq = 0
         self.burst = 0

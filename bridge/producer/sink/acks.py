@@ -227,8 +227,7 @@ class AckWindow:
         self._room: anyio.Event | None = None
         self._watch = -1
         self._watched: anyio.Event | None = None
-        # What the messages in flight hold in memory (`Outgoing.held`): their
-        # encoded bytes, and the contract messages they carry for the keeper.
+        # Encoded bytes in flight (payloads and headers): the window's memory.
         self.bytes = 0
         # Order records (see the module's docstring); kept only in trouble.
         self._ahead: deque[_Stored] = deque()
@@ -251,7 +250,7 @@ class AckWindow:
         token = self._next
         self._next = token + 1
         self._pending[token] = Pending(msg, origin, generation, now, self._wire_base + token)
-        self.bytes += msg.held
+        self.bytes += msg.nbytes
         return f"{self.inbox}.{token}"
 
     def resend(self, tokens: Iterable[int], generation: int, now: float) -> tuple[list[Outgoing], list[str]]:
@@ -293,7 +292,7 @@ class AckWindow:
         self._hand_over()
 
     def _settle(self, msg: Outgoing) -> None:
-        self.bytes -= msg.held
+        self.bytes -= msg.nbytes
 
     def give_up(self, token: int) -> Pending | None:
         """The message will never be stored (refused for good, or forbidden): out of the window."""
@@ -355,7 +354,7 @@ class AckWindow:
                 self.trouble = Trouble.REFUSED
             self._wake(token)
             return
-        self.bytes -= entry.msg.held
+        self.bytes -= entry.msg.nbytes
         if token == self._head and entry.doubt is None and not self._ahead and not self._resent:
             # The oldest, acked first, nothing in doubt: nothing to compare.
             self._head = token + 1

@@ -24,12 +24,6 @@ from bridge.producer.sink.subjects import SubjectBook
 
 # The largest message whose buffer MessageEncoder keeps for the next one.
 KEPT_BUFFER_BYTES: Final = 1 << 20
-# What a contract message handed on with its payload (`Outgoing.body`) holds
-# in memory: about its payload's bytes again (hash and token bytes, strings),
-# and per event the objects around them (the event, its hash list, its raw
-# token ids). tracemalloc over the bench's 8-, 64- and 512-event traffic:
-# 208 to 218 bytes per event besides the payload's size.
-BODY_EVENT_BYTES: Final = 216
 
 
 class Outgoing(msgspec.Struct, gc=False, array_like=True):
@@ -42,35 +36,15 @@ class Outgoing(msgspec.Struct, gc=False, array_like=True):
     # built once by the encoder: a publisher writing HPUB frames itself
     # (`hpub_frames`) skips nats-py's per-message header encoding and checks.
     head: bytes = b""
-    # The contract message `payload` encodes, for the snapshot keeper: it
-    # applies this object rather than decoding its own payload again. Only
-    # an encoder made with `keep_bodies` sets it (a bridge keeping snapshots).
-    body: GroupMessage | WorkerRecord | None = None
-    # What `body` holds in memory (`body_bytes`); 0 without one.
-    kept: int = 0
 
     @property
     def nbytes(self) -> int:
-        """What the message puts on the wire, framing aside."""
+        """What the message holds in memory and puts on the wire, framing aside."""
         return len(self.payload) + len(self.head)
-
-    @property
-    def held(self) -> int:
-        """What the message holds in memory: its wire bytes, and its body's."""
-        return len(self.payload) + len(self.head) + self.kept
-
-
-def body_bytes(payload: bytes, events: int) -> int:
-    """What the contract message encoded as `payload`, with `events` events, holds in memory."""
-    return len(payload) + BODY_EVENT_BYTES * events
 
 
 class MessageEncoder:
-    """`keep_bodies`: each message also carries the contract message it
-    encodes (`Outgoing.body`)."""
-
-    def __init__(self, fmt: str, keep_bodies: bool = False) -> None:
-        self._keep_bodies = keep_bodies
+    def __init__(self, fmt: str) -> None:
         self._encode = encoder_for(fmt)
         # Group messages are encoded into one buffer, kept for the next, and
         # copied out once: `encode` grows each payload anew from a few bytes,
@@ -111,11 +85,7 @@ class MessageEncoder:
         payload = bytes(buffer)
         if len(buffer) > KEPT_BUFFER_BYTES:
             self._buffer = bytearray()
-        events = len(msg.events)
-        if self._keep_bodies:
-            return Outgoing(subjects.group(msg.group), payload, headers, family, events, head, msg,
-                            body_bytes(payload, events))
-        return Outgoing(subjects.group(msg.group), payload, headers, family, events, head)
+        return Outgoing(subjects.group(msg.group), payload, headers, family, len(msg.events), head)
 
     def _static_headers(self, kind: str, family: str) -> tuple[str, dict[str, str]]:
         """What a group message's headers share with every other of its kind:
@@ -135,11 +105,7 @@ class MessageEncoder:
         }
         if rec.seq is not None:
             headers[HDR_SEQ] = str(rec.seq)
-        payload = self._encode(rec)
-        if self._keep_bodies:
-            return Outgoing(subjects.worker, payload, headers, WORKER_TOKEN, 0, header_block(headers), rec,
-                            body_bytes(payload, 0))
-        return Outgoing(subjects.worker, payload, headers, WORKER_TOKEN, 0, header_block(headers))
+        return Outgoing(subjects.worker, self._encode(rec), headers, WORKER_TOKEN, 0, header_block(headers))
 
 
 def header_block(headers: dict[str, str]) -> bytes:

@@ -467,18 +467,16 @@ class NatsSink:
             raise nats.errors.ConnectionClosedError
         queue = self._queue
         if self._settings.jetstream:
-            # The window bounds what its messages hold in memory (`held`)
             room = self._settings.js_max_pending - len(self._acks)
-            held_room = self._settings.js_max_pending_bytes - self._acks.bytes
+            byte_room = min(_WRITE_BYTES, self._settings.js_max_pending_bytes - self._acks.bytes)
         else:
-            room, held_room = 1 << 30, 1 << 62
+            room, byte_room = 1 << 30, _WRITE_BYTES
         batches = [first]
         queue.pop()
-        # nbytes and held: the queue sized every batch it holds. A write is
-        # bounded by the bytes it puts on the wire.
-        size, held = first.nbytes, first.held
+        # nbytes: the queue sized every batch it holds.
+        size = first.nbytes
         count = len(first.messages)
-        while size < _WRITE_BYTES and held < held_room and len(batches) < _WRITE_BATCHES and count < room:
+        while size < byte_room and len(batches) < _WRITE_BATCHES and count < room:
             batch = queue.peek()
             if batch is None:
                 break
@@ -486,7 +484,6 @@ class NatsSink:
             batches.append(batch)
             count += len(batch.messages)
             size += batch.nbytes
-            held += batch.held
         try:
             await self._write(nc, [(m, b) for b in batches for m in b.messages])
         except BaseException:

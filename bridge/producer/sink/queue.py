@@ -25,13 +25,8 @@ class OutBatch(msgspec.Struct, gc=False):
     vllm_ts: float
     messages: list[Outgoing]
     dp_rank: int = 0
-    # Encoded bytes (payloads and headers), what a write puts on the wire;
-    # counted by the queue on put.
+    # Encoded bytes held (payloads and headers); counted by the queue on put.
     nbytes: int = -1
-    # What the batch holds in memory: its encoded bytes, and the contract
-    # messages they carry for the snapshot keeper (`Outgoing.held`). The
-    # queue's byte bound counts these.
-    held: int = -1
 
 
 class LostRange(msgspec.Struct, gc=False):
@@ -49,15 +44,12 @@ def _ignore() -> None:
 
 
 def _size(batch: OutBatch) -> int:
-    """What the batch holds in memory (and, once asked, `nbytes` set too)."""
-    if batch.held < 0:
-        wire = kept = 0
+    if batch.nbytes < 0:
+        n = 0
         for msg in batch.messages:
-            wire += len(msg.payload) + len(msg.head)
-            kept += msg.kept
-        batch.nbytes = wire
-        batch.held = wire + kept
-    return batch.held
+            n += msg.nbytes
+        batch.nbytes = n
+    return batch.nbytes
 
 
 class BatchQueue:

@@ -8,9 +8,8 @@ window holds back acks that overtook a lost one until its copy is stored), so
 the snapshot names the stream sequence a reader goes on from. A message's
 effect lands on an index only when a snapshot needs it, or while the bridge
 has nothing else to do: until then the keeper only keeps a reference to the
-contract message the sink encoded (`Outgoing.body`: what consumers decode
-from its payload), and the work of applying it stays off the path from vLLM
-to NATS. The log is bounded by bytes: when the
+encoded payload it already made, and the work of decoding and applying it
+stays off the path from vLLM to NATS. The log is bounded by bytes: when the
 bridge is so busy that it grows past the bound, the live stream keeps
 priority and the log is let go, its ranks' views turned stale and partial
 (`ResidencyIndex.lose`), which is what their snapshots then say.
@@ -74,30 +73,18 @@ STEP_EVENTS = 8
 # Messages of a let-go log dropped per hand-over, besides two per message
 # handed over: freed faster than the next log fills, so it only shrinks.
 GARBAGE_STEP = 64
-# What a logged message holds besides its body (`Outgoing.kept`) or payload,
-# counted against --snapshot-log-bytes so that the bound is the memory the
-# log takes: the entry's tuple, its place in the deque, the message id's
-# object and text, and the body's own struct and event list (tracemalloc
-# over the bench's 8-, 64- and 512-event traffic). The message's header map,
-# wire headers and payload are not kept: the sink lets them go once written.
+# What a logged message holds besides its payload's bytes, counted against
+# --snapshot-log-bytes so that the bound is the memory the log takes: the
+# entry's tuple, its place in the deque, the object headers of its payload
+# and message id, and the id's text (tracemalloc over the bench's 8- and
+# 64-event traffic: 221 and 238 bytes). The message's header map and wire
+# headers are not kept: the sink lets them go once written.
 ENTRY_BYTES = 224
 
-# A logged message: the contract message the sink encoded (`Outgoing.body`),
-# or else its payload; the decoder for that payload (None: a message, read
-# already); its Nats-Msg-Id, JetStream ack, and what it counts against the
-# log's bound.
-_Entry = tuple[Any, Any, str, "bytes | None", int]
-
-
-class _Unread:
-    """The decoder of a payload in a format the keeper does not read."""
-
-    @staticmethod
-    def decode(payload: bytes) -> Any:
-        raise msgspec.DecodeError("a format the snapshot keeper does not read")
-
-
-_UNREAD = _Unread()
+# A logged message: its payload, Nats-Msg-Id, the decoder its headers call
+# for (None: a format the keeper does not read), JetStream ack, and what it
+# counts against the log's bound.
+_Entry = tuple[bytes, str, Any, "bytes | None", int]
 
 
 class _Through:
@@ -234,15 +221,11 @@ class ResidencyKeeper:
     def _entry(self, msg: Outgoing, ack: bytes | None) -> _Entry:
         headers = msg.headers
         payload = msg.payload
-        body = msg.body
-        if body is None:
-            return payload, self._decoder_of(headers), headers.get(HDR_MSG_ID, ""), ack, len(payload) + ENTRY_BYTES
-        return body, None, headers.get(HDR_MSG_ID, ""), ack, msg.kept + ENTRY_BYTES
+        return payload, headers.get(HDR_MSG_ID, ""), self._decoder_of(headers), ack, len(payload) + ENTRY_BYTES
 
     def _decoder_of(self, headers: dict[str, str]) -> Any:
-        """The decoder a message's headers call for (one that refuses every
-        payload, for a format the keeper does not read)."""
-        return self._decoders.get((headers.get(HDR_FORMAT, DEFAULT_FORMAT), HDR_RECORD in headers), _UNREAD)
+        """The decoder a message's headers call for; None for a format the keeper does not read."""
+        return self._decoders.get((headers.get(HDR_FORMAT, DEFAULT_FORMAT), HDR_RECORD in headers))
 
     def _logged(self, n: int) -> None:
         """After `n` messages joined the log: bound it, and free some of a let-go one."""
@@ -335,10 +318,9 @@ class ResidencyKeeper:
             if steps is None:
                 if not log_ or (limit and n >= limit):
                     break
-                body, decoder, msg_id, ack, size = log_.popleft()
+                payload, msg_id, decoder, ack, size = log_.popleft()
                 self.log_bytes -= size
-                if decoder is not None:
-                    body = self._read(decoder, body, None)
+                body = self._read(decoder, payload, None)
                 if body is not None:
                     if every and type(body) is not WorkerRecord and len(body.events) > every:
                         steps = self._apply_steps(body, msg_id, ack, every)
@@ -390,11 +372,7 @@ class ResidencyKeeper:
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One of the bridge's own messages, applied now (not logged)."""
-        if msg.body is None:
-            self.apply_payload(msg.headers, msg.payload, ack)
-        else:
-            self.settle()
-            self._apply_body(msg.body, msg.headers.get(HDR_MSG_ID, ""), ack)
+        self.apply_payload(msg.headers, msg.payload, ack)
 
     def apply_payload(self, headers: dict[str, str], payload: bytes, ack: bytes | None = None, *,
                       origin: Origin | None = None) -> Refusal | None:

@@ -151,9 +151,8 @@ class _HotCollector(Collector):
         messages, size = m._js_in_flight()
         yield GaugeMetricFamily("kvbridge_js_in_flight_messages", "JetStream publishes awaiting their ack.",
                                 value=messages)
-        yield GaugeMetricFamily("kvbridge_js_in_flight_bytes",
-                                "Memory held by JetStream publishes awaiting their ack (encoded bytes, and with "
-                                "snapshots the messages they carry for the keeper).", value=size)
+        yield GaugeMetricFamily("kvbridge_js_in_flight_bytes", "Encoded bytes of JetStream publishes awaiting their ack.",
+                                value=size)
         entries, log_bytes, shed, undecodable = m._residency()
         yield GaugeMetricFamily("kvbridge_residency_entries",
                                 "(rank, group, medium, hash) entries the bridge's own residency holds (snapshots).",
