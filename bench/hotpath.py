@@ -45,7 +45,7 @@ RESULTS = ROOT / "bench" / "results"
 # takes that tree's package; it reads the traffic without bench/ (which differs
 # between trees) and uses only names every tree has had.
 CHILD = r"""
-import json, sys, time
+import itertools, json, sys, time
 import msgspec
 from bridge.producer.decode.decoder import BatchDecoder
 from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
@@ -66,15 +66,13 @@ ident = StreamIdentity(worker="bench", dp_rank=0, topic="", epoch=1)
 stats = NormalizeStats()
 keeper = ResidencyKeeper("bench")
 
-first_seq = 0
+# Each round's batches come after the last round's, as a publisher cycling
+# its traffic sends them: a keeper takes a seq it applied already for a
+# copy, and would skip it.
+seqs = itertools.count()
 
 def one_round():
-    # Each round's batches come after the last round's, as a publisher cycling
-    # its traffic sends them: a keeper takes a seq it applied already for a
-    # copy, and would skip it.
-    global first_seq
-    seq0, first_seq = first_seq, first_seq + len(payloads)
-    for seq, payload in enumerate(payloads, seq0):
+    for payload, seq in zip(payloads, seqs):
         batch = decoder.decode(payload)
         if upto == 1:
             continue
