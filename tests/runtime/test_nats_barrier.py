@@ -38,4 +38,3 @@ async def test_a_subscription_is_live_once_flushed_returns(nats_server: NatsServ
     finally:
         await writer.close()
     assert missed == []
-
