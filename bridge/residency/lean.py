@@ -11,20 +11,15 @@ form, and gives the same view for both.
 
 from __future__ import annotations
 
-import struct
 from typing import Union
 
 import msgspec
 
+from bridge.contract.codec import array_header
 from bridge.contract.events import BlockHash, BlockRemoved, BlockStored
 from bridge.contract.messages import GroupHead
 
 _EMPTY = msgspec.Raw()
-# The encoded array's header, read in place: a memoryview and a slice of it
-# cost three times as much, and the count is read for most stores.
-_HEAD = struct.Struct(">B").unpack_from
-_U16 = struct.Struct(">H").unpack_from
-_U32 = struct.Struct(">I").unpack_from
 
 
 class LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
@@ -60,15 +55,4 @@ def token_count(event: BlockStored | LeanStored) -> int:
     tokens = event.token_ids
     if type(tokens) is list:
         return len(tokens)
-    size = len(tokens)
-    if not size:
-        return 0
-    head = _HEAD(tokens)[0]  # type: ignore[arg-type]
-    if 0x90 <= head <= 0x9F:  # fixarray
-        return head & 0x0F
-    count: int = 0
-    if head == 0xDC and size >= 3:  # array 16
-        count = _U16(tokens, 1)[0]  # type: ignore[arg-type]
-    elif head == 0xDD and size >= 5:  # array 32
-        count = _U32(tokens, 1)[0]  # type: ignore[arg-type]
-    return count  # 0: nil, or not an array: no tokens to count
+    return array_header(tokens)[0]

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from bridge.contract import BlockRemoved, GroupMessage, WorkerRecord
+from bridge.contract.codec import array_header
 from bridge.producer.decode.wire import NIL_RAW
 
 _RAW = msgspec.Raw
@@ -39,24 +40,12 @@ class PromptRedactor:
 
     def zeros(self, tokens: msgspec.Raw) -> msgspec.Raw:
         """A msgpack array as long as `tokens`, of zeros (fixint 0 is one byte)."""
-        raw = memoryview(tokens)
-        if not raw:
-            return tokens
-        head = raw[0]
-        if head == 0xDC:
-            n = raw[1] << 8 | raw[2]
-        elif 0x90 <= head <= 0x9F:
-            n = head & 0x0F
-        elif head == 0xDD:
-            n = int.from_bytes(raw[1:5], "big")
-        else:
-            return tokens  # nil or not an array: nothing of the prompt to keep
+        n, header = array_header(tokens)
         if not n:
-            return tokens
+            return tokens  # empty, nil or not an array: nothing of the prompt to keep
         zeros = self._zeros.get(n)
         if zeros is None:
-            prefix = bytes(raw[:1]) if head <= 0x9F else bytes(raw[:3]) if head == 0xDC else bytes(raw[:5])
-            zeros = msgspec.Raw(prefix + bytes(n))
+            zeros = msgspec.Raw(bytes(memoryview(tokens)[:header]) + bytes(n))
             if len(self._zeros) < MAX_CACHED_COUNTS:
                 self._zeros[n] = zeros
         return zeros
