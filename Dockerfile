@@ -22,8 +22,25 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# The native module (bridge/residency/_cells.c) needs a C compiler and
+# Python's headers here; the runtime stage gets the built module only. Not
+# pinned: the base image's release decides the versions, and any C99
+# compiler builds the module (the pinned one for CI: requirements/apt.txt).
+# hadolint ignore=DL3008
+RUN set -eu; \
+    if ! command -v gcc >/dev/null \
+        || ! python3 -c 'import os, sysconfig; os.stat(sysconfig.get_paths()["include"] + "/Python.h")' 2>/dev/null; then \
+      headers=""; \
+      python3 -c 'import os, sysconfig; os.stat(sysconfig.get_paths()["include"] + "/Python.h")' 2>/dev/null \
+        || headers="python3-dev"; \
+      apt-get update -q; \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev $headers; \
+      rm -rf /var/lib/apt/lists/*; \
+    fi
+COPY pyproject.toml setup.py README.md ./
 COPY bridge/ ./bridge/
+# The last line fails the build when the native module is missing (`-I`: not
+# the sources in this working directory, the installed package).
 RUN --mount=type=secret,id=pip_ca \
     set -eu; \
     if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi; \
@@ -34,7 +51,8 @@ RUN --mount=type=secret,id=pip_ca \
     set -- /wheels/kv_bridge-*.whl; \
     /opt/kv-bridge/bin/pip install --no-cache-dir --no-index --find-links /wheels "$1${extras}"; \
     /opt/kv-bridge/bin/pip uninstall --yes pip setuptools; \
-    /opt/kv-bridge/bin/kv-bridge --version
+    /opt/kv-bridge/bin/kv-bridge --version; \
+    /opt/kv-bridge/bin/python -I -c 'import bridge.residency._cells'
 
 FROM ${BASE_IMAGE} AS runtime
 ARG BASE_IMAGE

@@ -16,7 +16,8 @@ ENGINE_STAMP := $(ENGINE_VENV)/.installed
 # on a disk that CI shares with the image build.
 export PIP_NO_CACHE_DIR := 1
 
-$(STAMP): requirements/ci.txt requirements/vllm.txt pyproject.toml
+# setup.py and _cells.c: the editable install builds the native module in place.
+$(STAMP): requirements/ci.txt requirements/vllm.txt pyproject.toml setup.py bridge/residency/_cells.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-deps -r requirements/ci.txt

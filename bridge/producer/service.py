@@ -37,6 +37,7 @@ from bridge.producer.source.zmq_io import InputWatch
 from bridge.producer.telemetry.health import Health
 from bridge.producer.telemetry.http import serve_http
 from bridge.producer.telemetry.metrics import Metrics
+from bridge.residency.cells import NATIVE_CELL
 from bridge.runtime.memory import MemoryReturn
 from bridge.runtime.nats_server import NatsServerProcess
 from bridge.runtime.stopping import stop_on_signal
@@ -172,6 +173,9 @@ class Bridge:
     async def run(self, stop: anyio.Event | None = None, handle_signals: bool = False) -> int:
         s = self.settings
         log.info("bridge_starting", version=__version__, settings=s.redacted())
+        if self.keeper is not None and NATIVE_CELL is None:
+            log.warning("snapshot_tables_not_native", note="kv-bridge was installed without its C module "
+                        "(bridge.residency._cells): snapshots keep hashes in Python dicts, about twice the memory")
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         encoder = MessageEncoder(s.format)
         shared = StreamSettings.of(s)

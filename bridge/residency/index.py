@@ -45,7 +45,8 @@ the number of workers; `fleet` is there for services that ask for many
 workers at once (`prefix_hits`) or for aggregate counts. A reader that keeps
 a few ranks and asks no fleet questions (the bridge's snapshot keeper) gives
 the index per-rank tables instead (`ResidencyIndex(store=RankTables())`,
-`bridge.residency.rank_tables`): the same rules, plain dicts underneath.
+`bridge.residency.rank_tables`): the same rules, over a table per rank's
+tier (applied by a native loop where the package's C module was built).
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ from bridge.contract import GPU_MEDIUM, GroupMessage, WorkerRecord, state_checkp
 from bridge.contract.events import BlockHash, BlockRemoved, BlockStored
 from bridge.contract.kinds import OTHER, STATE, WINDOW, family_of
 from bridge.contract.snapshot import SNAPSHOT_VERSION, GroupState, RankSnapshot, SnapshotMissing, TierState
+from bridge.residency.cells import FAMILY_CODES
 from bridge.residency.fleet import FleetResidency
 from bridge.residency.lean import LeanStored, ResidencyMessage, token_count
 from bridge.residency.prefix import RULED_FAMILIES, PrefixMatch, allowed_at, needed_before, window_blocks
+from bridge.residency.rank_tables import RankTables
 from bridge.residency.slots import WorkerKey
 from bridge.residency.views import GroupResidency, SlotStore, WorkerView
 
@@ -174,6 +177,8 @@ class ResidencyIndex:
         self._declared: dict[WorkerKey, dict[int, _Declared]] = {}
         self._reannounced: dict[WorkerKey, _Reannounced] = {}
         self.reannounced_ignored = 0  # parent-less stores taken for report mode "full" announcements
+        # (slot, group) → (the store's shapes count, the other ruled groups), for the native loop
+        self._others: dict[tuple[int, int], tuple[int, tuple[tuple[int, int, int], ...]]] = {}
 
     @property
     def fleet(self) -> FleetResidency:
@@ -362,7 +367,44 @@ class ResidencyIndex:
     def _apply_events(self, view: WorkerView, g: GroupResidency, msg: GroupMessage | ResidencyMessage,
                       events: _Events, memo: _Reannounced | None = None) -> _Reannounced | None:
         """Applies a run of the message's events; `memo`: the batch position's
-        parent-less stores, once an earlier run looked them up (returned for the next)."""
+        parent-less stores, once an earlier run looked them up (returned for the next).
+        Over per-rank tables of native cells, a native loop applies them
+        (`RankTables.run_events`) and leaves to this one each event it does
+        not read; the same rules either way."""
+        store = self.store
+        if type(store) is RankTables and store.native_runs and type(events) is list:
+            if memo is None:
+                # the batch position's memo, kept for the rank only once used,
+                # as `_memo` makes it at the first parent-less store
+                memo = self._reannounced.get(view.key)
+                at = (msg.epoch, msg.seq, msg.part)
+                if memo is None or memo.at != at:
+                    memo = _Reannounced(at)
+            # the rank's other groups the report-mode rule reads: (number, family, window blocks or -1)
+            key = (g._slot, g.group)
+            known = self._others.get(key)
+            if known is not None and known[0] == store.shapes:
+                others = known[1]
+            else:
+                others = tuple((n, FAMILY_CODES[res.family], _or_minus_one(window_blocks(res.window, res.block_size)))
+                               for n, res in view.groups.items() if res is not g and res.family in RULED_FAMILIES)
+                self._others[key] = (store.shapes, others)
+            family = FAMILY_CODES.get(g.family, 0)
+            i, n = 0, len(events)
+            while i < n:
+                i = store.run_events(self, g, family, events, i, memo, others)
+                if i < n:
+                    self._apply_events_py(view, g, msg, events[i:i + 1], memo)
+                    i += 1
+            if (memo.noted or memo.chains) and self._reannounced.get(view.key) is not memo:
+                self._reannounced[view.key] = memo
+            return memo
+        return self._apply_events_py(view, g, msg, events, memo)
+
+    def _apply_events_py(self, view: WorkerView, g: GroupResidency, msg: GroupMessage | ResidencyMessage,
+                         events: _Events, memo: _Reannounced | None = None) -> _Reannounced | None:
+        """`_apply_events` in Python: the rules' reference, and what runs
+        over any other store."""
         family = g.family
         block_size = g.block_size
         for event in events:
@@ -619,6 +661,10 @@ class ResidencyIndex:
         view = self.views.get(key) or self._new_view(key, 0)
         view.partial = True
         return view
+
+
+def _or_minus_one(n: int | None) -> int:
+    return -1 if n is None else n
 
 
 # vLLM adds a copy per physical block holding a hash: a handful. A count far

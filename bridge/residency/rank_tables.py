@@ -1,47 +1,55 @@
-"""Per worker rank, group and medium: each layer's hash → copies, as dicts.
+"""Per worker rank, group and medium: each layer's hash → copies (`cells`).
 
 The store of a reader that keeps a handful of ranks, the bridge's snapshot
 keeper above all. The fleet structure (`bridge.residency.fleet`) interns every
 hash as an id and keeps interned holder sets so that one query walks a chain
 once for thousands of workers; for the few ranks of one worker that is work
-and memory spent on a question nobody asks it. Here a store is one dict update
-per hash. The rules that feed a store (`bridge.residency.index`) and the
-prefix rule that reads it (`bridge.residency.prefix`) are the same for both:
-this module only holds copies, with the slot interface `WorkerView` and
-`GroupResidency` use (`views.SlotStore`).
+and memory spent on a question nobody asks it. Here a store is one table
+update per hash, in the native tier of `bridge.residency.cells` when built.
+The rules that feed a store (`bridge.residency.index`) and the prefix rule
+that reads it (`bridge.residency.prefix`) are the same for both: this module
+only holds copies, with the slot interface `WorkerView` and `GroupResidency`
+use (`views.SlotStore`).
 """
 
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
-from itertools import islice
-from typing import cast
+from itertools import chain, repeat
+from types import MemberDescriptorType
+from typing import TYPE_CHECKING, Any, cast
 
 from bridge.contract import BlockHash
+from bridge.contract.events import BlockRemoved, BlockStored
+from bridge.residency.cells import NATIVE_CELL, Cell, CellLike, apply_run
+from bridge.residency.cells import PLACEHOLDER as _PLACEHOLDER
+from bridge.residency.cells import SUSPECT as _SUSPECT
+from bridge.residency.cells import TRUSTED as _TRUSTED
 from bridge.residency.held_columns import HeldColumns, ones_left_out
+from bridge.residency.lean import LeanStored
 from bridge.residency.prefix import GroupShape, HeldGroup, PrefixMatch, match_view, match_views
 from bridge.residency.slots import WorkerKey
 
+if TYPE_CHECKING:
+    from bridge.residency.views import GroupResidency
+
 TRUSTED, SUSPECT, PLACEHOLDER = "trusted", "suspect", "placeholder"
 
-# Entries a snapshot copies out of a layer's dict between two pauses (a C
-# loop: tens of microseconds), and entries it looks up one by one (the
+# Entries a snapshot copies out of a layer between two pauses (a C loop
+# that makes each hash's object: about 0.2 ms), and entries it looks up one by one (the
 # hashes a rank holds in both layers after a gap: about a hundred).
 COPY_STEP = 8192
 LOOKUP_STEP = 2048
-
-
-class _Cell:
-    """One rank's tier: hash → copies per layer (a hash may have trusted and
-    suspect copies at once; placeholders carry no position)."""
-
-    __slots__ = ("trusted", "suspect", "placeholders")
-
-    def __init__(self) -> None:
-        self.trusted: dict[BlockHash, int] = {}
-        self.suspect: dict[BlockHash, int] = {}
-        self.placeholders: dict[BlockHash, int] = {}
+# The event classes the native loop applies (any other goes to the index's
+# loop), and the fields it reads of them: each class's member descriptor,
+# so that it reads a field without looking it up by name (None: it does).
+RUN_KINDS = (BlockRemoved, LeanStored, BlockStored)
+_RUN_FIELD_NAMES = ("block_hashes", "medium", "block_size", "kv_cache_spec_sliding_window", "placeholder",
+                    "parent_block_hash", "token_ids")
+RUN_FIELDS = tuple(tuple(d if isinstance(d := getattr(kind, name, None), MemberDescriptorType) else None
+                         for name in _RUN_FIELD_NAMES) for kind in RUN_KINDS)
 
 
 class _Held:
@@ -56,18 +64,26 @@ class _Held:
 
 
 class RankTables:
-    """A few worker ranks' residency; `ResidencyIndex(store=RankTables())`."""
+    """A few worker ranks' residency; `ResidencyIndex(store=RankTables())`.
+    `cell`: the tier's type (`bridge.residency.cells`; the native one when built)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cell: type[CellLike] = Cell) -> None:
+        self._cell_type = cell
+        # Over native cells, a message's events are applied by one native
+        # loop (`run_events`); the index's own loop does it otherwise.
+        self.native_runs = cell is NATIVE_CELL and apply_run is not None
         self._keys: dict[int, WorkerKey] = {}
         self._free: list[int] = []
         self._next = 0
         # slot → group → medium → cell; a tier has a cell from its first
         # store until its group is cleared (the fleet's cells do the same)
-        self._cells: dict[int, dict[int, dict[str, _Cell]]] = {}
+        self._cells: dict[int, dict[int, dict[str, CellLike]]] = {}
         self._shape: dict[int, dict[int, GroupShape]] = {}
         self._unwatched: set[int] = set()
         self._partial: set[int] = set()
+        # Bumped whenever a group comes, goes or changes shape: what a
+        # reader derived from the shapes is good while it stays the same.
+        self.shapes = 0
 
     # -- slots -------------------------------------------------------------
 
@@ -100,7 +116,7 @@ class RankTables:
     def stale(self, slot: int) -> bool:
         if slot in self._partial:
             return True
-        return any(cell.suspect for media in self._cells.get(slot, {}).values() for cell in media.values())
+        return any(cell.has_suspect() for media in self._cells.get(slot, {}).values() for cell in media.values())
 
     def set_partial(self, slot: int, partial: bool) -> None:
         if partial:
@@ -110,12 +126,15 @@ class RankTables:
 
     def set_shape(self, slot: int, group: int, shape: GroupShape) -> None:
         self._shape.setdefault(slot, {})[group] = shape
+        self.shapes += 1
 
     def drop_shape(self, slot: int, group: int) -> None:
         self._shape.get(slot, {}).pop(group, None)
+        self.shapes += 1
 
     def reshape(self) -> None:
-        """Shapes are read when asked: nothing is cached."""
+        """A group's family, block size or window changed."""
+        self.shapes += 1
 
     # -- feeding -----------------------------------------------------------
 
@@ -126,11 +145,8 @@ class RankTables:
             media = self._cells[slot][group] = {}
         cell = media.get(medium)
         if cell is None:
-            cell = media[medium] = _Cell()
-        table = cell.placeholders if placeholder else cell.trusted
-        get = table.get
-        for h in hashes:
-            table[h] = get(h, 0) + 1
+            cell = media[medium] = self._cell_type()
+        cell.store(hashes, placeholder)
 
     def remove(self, slot: int, group: int, medium: str, hashes: list[BlockHash]) -> tuple[int, int]:
         """One copy less of each hash (a BlockRemoved): trusted first, then
@@ -138,33 +154,26 @@ class RankTables:
         cell = self._cells[slot].get(group, {}).get(medium)
         if cell is None:
             return 0, len(hashes)
-        trusted, suspect, placeholders = cell.trusted, cell.suspect, cell.placeholders
-        removed = 0
-        for h in hashes:
-            for table in (trusted, suspect, placeholders):
-                c = table.get(h)
-                if c:
-                    if c == 1:
-                        del table[h]
-                    else:
-                        table[h] = c - 1
-                    removed += 1
-                    break
+        removed = cell.remove(hashes)
         return removed, len(hashes) - removed
 
     def demote(self, slot: int, group: int) -> None:
         """A gap for this rank: its trusted copies in `group` become suspect."""
         for cell in self._cells[slot].get(group, {}).values():
-            if not cell.trusted:
-                continue
-            suspect = cell.suspect
-            if not suspect:
-                cell.suspect, cell.trusted = cell.trusted, {}
-                continue
-            get = suspect.get
-            for h, n in cell.trusted.items():
-                suspect[h] = get(h, 0) + n
-            cell.trusted = {}
+            cell.demote()
+
+    def run_events(self, index: object, g: GroupResidency, family: int, events: list[Any], start: int,
+                   memo: object, others: tuple[tuple[int, int, int], ...]) -> int:
+        """`ResidencyIndex._apply_events` from `events[start]` on for group
+        `g` (its `family` as `cells.FAMILY_CODES` numbers it), in native code
+        (`native_runs`): returns the index of the event it left to the
+        caller's own loop, or len(events) when done. `index`: the
+        `ResidencyIndex` (whose `reannounced_ignored` it counts); `memo`: the
+        batch position's parent-less stores; `others`: (number, family,
+        window blocks or -1) of the rank's other ruled groups."""
+        assert apply_run is not None
+        return apply_run(self._cells[g._slot], g, g.group, family, events, start, memo, others, RUN_KINDS, index,
+                         RUN_FIELDS)
 
     def demote_all(self) -> None:
         """This reader lost messages: every trusted copy of every rank becomes suspect."""
@@ -178,7 +187,7 @@ class RankTables:
 
     # -- reading one rank ---------------------------------------------------
 
-    def _cell(self, slot: int, group: int, medium: str) -> _Cell | None:
+    def _cell(self, slot: int, group: int, medium: str) -> CellLike | None:
         return self._cells.get(slot, {}).get(group, {}).get(medium)
 
     def cell_media(self, slot: int, group: int) -> list[str]:
@@ -188,9 +197,7 @@ class RankTables:
         """(trusted, suspect, placeholder) of one rank's tier: distinct hashes
         with a trusted or a suspect copy, and placeholder copies."""
         cell = self._cell(slot, group, medium)
-        if cell is None:
-            return 0, 0, 0
-        return len(cell.trusted), len(cell.suspect), sum(cell.placeholders.values())
+        return (0, 0, 0) if cell is None else cell.counts()
 
     def copies(self, slot: int, group: int, medium: str, h: BlockHash, layer: str) -> int:
         # The residency rules ask this per store (report mode "full"): kept short.
@@ -198,9 +205,7 @@ class RankTables:
             cell = self._cells[slot][group][medium]
         except KeyError:
             return 0
-        if layer == TRUSTED:
-            return cell.trusted.get(h, 0)
-        return (cell.suspect if layer == SUSPECT else cell.placeholders).get(h, 0)
+        return cell.copies(h, _LAYERS[layer])
 
     def held(self, slot: int, group: int, medium: str, h: BlockHash) -> int:
         """Trusted and suspect copies of `h` together."""
@@ -208,25 +213,23 @@ class RankTables:
             cell = self._cells[slot][group][medium]
         except KeyError:
             return 0
-        n = cell.trusted.get(h, 0)
-        return n + cell.suspect.get(h, 0) if cell.suspect else n
+        return cell.held(h)
 
     def holds_all(self, slot: int, group: int, medium: str, hashes: Sequence[BlockHash]) -> bool:
-        """Whether every one of `hashes` has a copy, trusted or suspect. A
-        table never keeps a hash at zero copies: holding is membership,
-        tested in C over a whole chain when nothing is suspect."""
+        """Whether every one of `hashes` has a copy, trusted or suspect (a
+        table never keeps a hash at zero copies: holding is membership)."""
         try:
             cell = self._cells[slot][group][medium]
         except KeyError:
             return not hashes
-        trusted, suspect = cell.trusted, cell.suspect
-        if not suspect:
-            return all(map(trusted.__contains__, hashes))
-        return all(h in trusted or h in suspect for h in hashes)
+        return cell.holds_all(hashes)
 
     def layer_items(self, slot: int, group: int, medium: str, layer: str) -> Iterator[tuple[BlockHash, int]]:
         cell = self._cell(slot, group, medium)
-        return iter(()) if cell is None else iter(list(_layer(cell, layer).items()))
+        if cell is None:
+            return iter(())
+        hashes, copies, _ = cell.chunk(_LAYERS[layer], 0, sys.maxsize)
+        return zip(hashes, copies)
 
     def held_copies(self, slot: int, group: int, medium: str,
                     pause: int = 0) -> Iterator[tuple[BlockHash, int, int] | None]:
@@ -238,19 +241,15 @@ class RankTables:
         cell = self._cell(slot, group, medium)
         if cell is None:
             return
-        trusted, suspect = cell.trusted, cell.suspect
+        trusted, trusted_n, _ = cell.chunk(_TRUSTED, 0, sys.maxsize)
+        suspect_n = cell.counts_of(_SUSPECT, trusted)
+        only, only_n, _ = cell.suspect_only(0, sys.maxsize)
         k = 0
-        for h, t in trusted.items():
+        for h, t, u in chain(zip(trusted, trusted_n, suspect_n), zip(only, repeat(0), only_n)):
             k += 1
             if pause and not k % pause:
                 yield None
-            yield h, t, suspect.get(h, 0)
-        for h, u in suspect.items():
-            k += 1
-            if pause and not k % pause:
-                yield None
-            if h not in trusted:
-                yield h, 0, u
+            yield h, t, u
 
     def held_columns(self, slot: int, group: int, medium: str) -> Generator[None, None, HeldColumns]:
         """The tier as a snapshot lists it, in the order of `held_copies`:
@@ -261,55 +260,45 @@ class RankTables:
         cell = self._cell(slot, group, medium)
         if cell is None:
             return HeldColumns([], [], [], [], [], [])
-        trusted, suspect = cell.trusted, cell.suspect
         th: list[BlockHash] = []
         tn: list[int] = []
-        yield from _copy_out(trusted, th, tn)
+        yield from _copy_out(cell, _TRUSTED, th, tn)
         sh: list[BlockHash] = []
         sn: list[int] = []
-        if suspect:
-            if trusted:
-                keys = iter(trusted)
-                while chunk := list(islice(keys, LOOKUP_STEP)):
-                    both = [h for h in chunk if h in suspect]
-                    sh.extend(both)
-                    sn.extend(suspect[h] for h in both)
-                    yield
-                pairs = iter(suspect.items())
-                while chunk_pairs := list(islice(pairs, LOOKUP_STEP)):
-                    for h, n in chunk_pairs:
-                        if h not in trusted:
+        if cell.has_suspect():
+            if th:
+                for i in range(0, len(th), LOOKUP_STEP):
+                    piece = th[i:i + LOOKUP_STEP]
+                    for h, n in zip(piece, cell.counts_of(_SUSPECT, piece)):
+                        if n:
                             sh.append(h)
                             sn.append(n)
                     yield
+                at = 0
+                while at >= 0:
+                    only, only_n, at = cell.suspect_only(at, LOOKUP_STEP)
+                    sh.extend(only)
+                    sn.extend(only_n)
+                    yield
             else:
-                yield from _copy_out(suspect, sh, sn)
+                yield from _copy_out(cell, _SUSPECT, sh, sn)
         ph: list[BlockHash] = []
         pn: list[int] = []
-        yield from _copy_out(cell.placeholders, ph, pn)
+        yield from _copy_out(cell, _PLACEHOLDER, ph, pn)
         return HeldColumns(th, ones_left_out(tn), sh, ones_left_out(sn), ph, ones_left_out(pn))
 
     def first_trusted(self, slot: int, group: int, medium: str, n: int) -> list[BlockHash]:
         """Up to `n` trusted hashes of a tier, oldest entry first."""
         cell = self._cell(slot, group, medium)
-        out: list[BlockHash] = []
         if cell is None or n <= 0:
-            return out
-        for h in cell.trusted:
-            out.append(h)
-            if len(out) >= n:
-                break
-        return out
+            return []
+        return cell.chunk(_TRUSTED, 0, n)[0]
 
     @property
     def entries(self) -> int:
         """(rank, group, medium, hash) entries held, trusted or suspect."""
-        n = 0
-        for groups in self._cells.values():
-            for media in groups.values():
-                for cell in media.values():
-                    n += len(cell.trusted.keys() | cell.suspect.keys()) if cell.suspect else len(cell.trusted)
-        return n
+        return sum(cell.entries() for groups in self._cells.values() for media in groups.values()
+                   for cell in media.values())
 
     @property
     def hashes(self) -> int:
@@ -318,8 +307,8 @@ class RankTables:
         for groups in self._cells.values():
             for media in groups.values():
                 for cell in media.values():
-                    held.update(cell.trusted)
-                    held.update(cell.suspect)
+                    for layer in (_TRUSTED, _SUSPECT):
+                        held.update(cell.chunk(layer, 0, sys.maxsize)[0])
         return len(held)
 
     # -- queries (the prefix rule, one rank at a time) -----------------------
@@ -341,19 +330,16 @@ class RankTables:
         return match_view(self._held(slot), chain, media, include_suspect)
 
 
-def _copy_out(table: dict[BlockHash, int], keys: list[BlockHash], values: list[int]) -> Generator[None, None, None]:
-    """Appends the table's hashes and copies, `COPY_STEP` at a time with a pause after each."""
-    ks, vs = iter(table), iter(table.values())
+_LAYERS = {TRUSTED: _TRUSTED, SUSPECT: _SUSPECT, PLACEHOLDER: _PLACEHOLDER}
+
+
+def _copy_out(cell: CellLike, layer: int, keys: list[BlockHash], values: list[int]) -> Generator[None, None, None]:
+    """Appends a layer's hashes and copies, `COPY_STEP` at a time with a pause after each."""
+    at = 0
     while True:
-        before = len(keys)
-        keys.extend(islice(ks, COPY_STEP))
-        values.extend(islice(vs, COPY_STEP))
-        if len(keys) - before < COPY_STEP:
+        ks, vs, at = cell.chunk(layer, at, COPY_STEP)
+        keys.extend(ks)
+        values.extend(vs)
+        if at < 0:
             return
         yield
-
-
-def _layer(cell: _Cell, layer: str) -> dict[BlockHash, int]:
-    if layer == TRUSTED:
-        return cell.trusted
-    return cell.suspect if layer == SUSPECT else cell.placeholders

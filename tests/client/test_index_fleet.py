@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from bridge.client.subscribe import Interruption
 from bridge.contract import BlockHash, BlockRemoved, BlockStored, GroupMessage, KindSource, WorkerRecord
 from bridge.contract.kinds import family_of
+from bridge.residency.cells import PyCell
 from bridge.residency.index import ResidencyIndex
 from bridge.residency.lean import ResidencyMessage, residency_decoder
 from bridge.residency.prefix import match_view
@@ -355,6 +356,21 @@ RankTablesVersusReference.TestCase.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
 )
 TestRankTablesVersusReference = RankTablesVersusReference.TestCase
+
+
+class PyCellTablesVersusReference(RankTablesVersusReference):
+    """The per-rank tables over their Python tiers (`cells.PyCell`, what an
+    install without the native module runs)."""
+
+    @staticmethod
+    def make_index() -> ResidencyIndex:
+        return ResidencyIndex(store=RankTables(PyCell))
+
+
+PyCellTablesVersusReference.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
+TestPyCellTablesVersusReference = PyCellTablesVersusReference.TestCase
 
 
 # -- seeded fleets: long chains, shared prefixes, wide windows ---------------------------------------------------

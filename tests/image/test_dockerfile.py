@@ -91,9 +91,20 @@ def test_dockerignore_is_an_allow_list() -> None:
     lines = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
     assert lines[0] == "*"
-    assert {"!pyproject.toml", "!README.md", "!bridge/"} <= set(lines)
+    assert {"!pyproject.toml", "!setup.py", "!README.md", "!bridge/"} <= set(lines)
+    assert "**/*.so" in lines  # the image compiles its own native module, not the host's
     copied = " ".join(rest for word, rest in _instructions() if word == "COPY" and "--from" not in rest)
-    assert "pyproject.toml" in copied and "README.md" in copied and "bridge/" in copied
+    assert all(name in copied for name in ("pyproject.toml", "setup.py", "README.md", "bridge/"))
+
+
+def test_the_build_stage_fails_without_the_native_module() -> None:
+    """Built without a compiler, the package falls back to Python tables at
+    twice the memory: the image build compiles it, and checks it did."""
+    runtime = _runtime_stage()
+    build = _instructions()[: len(_instructions()) - len(runtime)]
+    build_run = " ".join(rest for word, rest in build if word == "RUN")
+    assert "gcc" in build_run and "import bridge.residency._cells" in build_run
+    assert not any("gcc" in rest for word, rest in runtime if word == "RUN")
 
 
 @pytest.mark.parametrize("script", ["build-image.sh", "install-chart-tools.sh"])

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 
 from bridge.residency import rank_tables
+from bridge.residency.cells import Cell, CellLike, PyCell
 from bridge.residency.fleet import FleetResidency
 from bridge.residency.held_columns import HeldColumns, from_copies
 from bridge.residency.rank_tables import PLACEHOLDER, RankTables
@@ -54,10 +55,12 @@ def _fed(store: RankTables | FleetResidency, ops: list[tuple[str, list[int]]]) -
     return slot
 
 
+@pytest.mark.parametrize("cell", [Cell, PyCell], ids=["cell", "pycell"])
 @settings(max_examples=300, deadline=None)
-@given(_ops)
-def test_the_tables_list_what_reading_them_entry_by_entry_lists(ops: list[tuple[str, list[int]]]) -> None:
-    tables = RankTables()
+@given(ops=_ops)
+def test_the_tables_list_what_reading_them_entry_by_entry_lists(cell: type[CellLike],
+                                                                ops: list[tuple[str, list[int]]]) -> None:
+    tables = RankTables(cell)
     slot = _fed(tables, ops)
     entry_by_entry, _ = _run(from_copies(tables.held_copies(slot, 0, GPU),
                                          tables.layer_items(slot, 0, GPU, PLACEHOLDER)))
