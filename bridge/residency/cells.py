@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from bridge.contract import BlockHash
 from bridge.contract.kinds import ATTENTION, STATE, WINDOW
+
+_K = TypeVar("_K")
 
 
 class Layer(IntEnum):
@@ -61,6 +63,19 @@ class CellLike(Protocol):
     def has_suspect(self) -> bool: ...
 
 
+def take_copy(table: dict[_K, int], key: _K) -> bool:
+    """One copy less of `key` in a table of copies, which keeps no key at
+    zero; False when it had none."""
+    c = table.get(key)
+    if not c:
+        return False
+    if c == 1:
+        del table[key]
+    else:
+        table[key] = c - 1
+    return True
+
+
 class PyCell:
     """The tier as three dicts (the cell when `_cells` was not built)."""
 
@@ -81,12 +96,7 @@ class PyCell:
         removed = 0
         for h in hashes:
             for table in self._layers:
-                c = table.get(h)
-                if c:
-                    if c == 1:
-                        del table[h]
-                    else:
-                        table[h] = c - 1
+                if take_copy(table, h):
                     removed += 1
                     break
         return removed

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from bridge.contract import BlockHash
 from bridge.residency import answers, query
+from bridge.residency.cells import take_copy
 from bridge.residency.hash_ids import HashIds
 from bridge.residency.held_columns import ENTRY_STEP, HeldColumns, from_copies
 from bridge.residency.holder_sets import HolderSets
@@ -293,17 +294,10 @@ class FleetResidency:
                     self._take(tier, cell, i, slot)
                     removed += 1
                     continue
-            if ph:
-                key = (h, slot)
-                c = ph.get(key)
-                if c:
-                    if c == 1:
-                        del ph[key]
-                    else:
-                        ph[key] = c - 1
-                    cell.placeholders -= 1
-                    removed += 1
-                    continue
+            if ph and take_copy(ph, (h, slot)):
+                cell.placeholders -= 1
+                removed += 1
+                continue
             unknown += 1
         return removed, unknown
 
