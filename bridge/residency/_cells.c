@@ -520,6 +520,15 @@ static PyObject *Cell_holds_all(Cell *self, PyObject *hashes) {
     return PyBool_FromLong(all);
 }
 
+/* An entry's hash and copies, appended to two lists. */
+static int append_entry(const OMap *m, const Entry *e, PyObject *keys, PyObject *copies) {
+    PyObject *k = key_object(m, e), *c = k == NULL ? NULL : PyLong_FromUnsignedLong(e->count);
+    int rc = c == NULL || PyList_Append(keys, k) < 0 || PyList_Append(copies, c) < 0 ? -1 : 0;
+    Py_XDECREF(k);
+    Py_XDECREF(c);
+    return rc;
+}
+
 /* chunk(layer, at, n) -> (hashes, copies, next): up to n live entries of a
  * layer from entry position `at` on, in order; `next` is -1 past the end. */
 static PyObject *Cell_chunk(Cell *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -538,18 +547,7 @@ static PyObject *Cell_chunk(Cell *self, PyObject *const *args, Py_ssize_t nargs)
     while (at < m->n && PyList_GET_SIZE(keys) < n) {
         const Entry *e = &m->e[at++];
         if (!e->count) continue;
-        PyObject *k = key_object(m, e);
-        if (k == NULL || PyList_Append(keys, k) < 0) {
-            Py_XDECREF(k);
-            goto fail;
-        }
-        Py_DECREF(k);
-        PyObject *c = PyLong_FromUnsignedLong(e->count);
-        if (c == NULL || PyList_Append(copies, c) < 0) {
-            Py_XDECREF(c);
-            goto fail;
-        }
-        Py_DECREF(c);
+        if (append_entry(m, e, keys, copies) < 0) goto fail;
     }
     /* past the last live entry: the caller stops without another call */
     while (at < m->n && !m->e[at].count) at++;
@@ -611,18 +609,7 @@ static PyObject *Cell_suspect_only(Cell *self, PyObject *const *args, Py_ssize_t
         seen++;
         Key k = entry_key(s, e);
         if (omap_find(t, &k) >= 0) continue;
-        PyObject *ko = key_object(s, e);
-        if (ko == NULL || PyList_Append(keys, ko) < 0) {
-            Py_XDECREF(ko);
-            goto fail;
-        }
-        Py_DECREF(ko);
-        PyObject *c = PyLong_FromUnsignedLong(e->count);
-        if (c == NULL || PyList_Append(copies, c) < 0) {
-            Py_XDECREF(c);
-            goto fail;
-        }
-        Py_DECREF(c);
+        if (append_entry(s, e, keys, copies) < 0) goto fail;
     }
     while (at < s->n && !s->e[at].count) at++;
     return Py_BuildValue("NNn", keys, copies, at < s->n ? at : (Py_ssize_t)-1);
