@@ -374,12 +374,9 @@ class ResidencyIndex:
         store = self.store
         if type(store) is RankTables and store.native_runs and type(events) is list:
             if memo is None:
-                # the batch position's memo, kept for the rank only once used,
-                # as `_memo` makes it at the first parent-less store
-                memo = self._reannounced.get(view.key)
-                at = (msg.epoch, msg.seq, msg.part)
-                if memo is None or memo.at != at:
-                    memo = _Reannounced(at)
+                # kept for the rank only once used, as the Python loop makes
+                # it at the first parent-less store
+                memo = self._memo(view.key, msg, keep=False)
             # the rank's other groups the report-mode rule reads: (number, family, window blocks or -1)
             key = (g._slot, g.group)
             known = self._others.get(key)
@@ -443,12 +440,16 @@ class ResidencyIndex:
         view.last_received = now
         view.lag = max(0.0, now - msg.ts)
 
-    def _memo(self, key: WorkerKey, msg: GroupMessage | ResidencyMessage) -> _Reannounced:
-        """The parent-less stores of the rank's current batch position (all its groups' messages)."""
+    def _memo(self, key: WorkerKey, msg: GroupMessage | ResidencyMessage, keep: bool = True) -> _Reannounced:
+        """The parent-less stores of the rank's current batch position (all
+        its groups' messages); a new one is kept for the rank unless `keep`
+        is False (the caller keeps it once used)."""
         at = (msg.epoch, msg.seq, msg.part)
         memo = self._reannounced.get(key)
         if memo is None or memo.at != at:
-            memo = self._reannounced[key] = _Reannounced(at)
+            memo = _Reannounced(at)
+            if keep:
+                self._reannounced[key] = memo
         return memo
 
     def _announced_again(self, view: WorkerView, g: GroupResidency, memo: _Reannounced,
