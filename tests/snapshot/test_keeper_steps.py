@@ -2,7 +2,7 @@
 
 An idle slice of the keeper ends after about half a millisecond, but a
 message of hundreds of events takes longer than that to apply: it is applied
-`STEP_EVENTS` events at a time, and what reads the keeper's residency (a
+`step_events` events at a time (fewer with the Python loop than the native one), and what reads the keeper's residency (a
 snapshot, a rebuild, a shed) finds every message whole."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from bridge.contract import GroupMessage
 from bridge.contract.msgid import stream_base
 from bridge.producer.sink.encode import MessageEncoder
 from bridge.producer.sink.subjects import SubjectBook
-from bridge.producer.snapshot.keeper import STEP_EVENTS, ResidencyKeeper
+from bridge.producer.snapshot.keeper import NATIVE_STEP_EVENTS, STEP_EVENTS, ResidencyKeeper
+from bridge.residency.cells import NATIVE_CELL, Cell, CellLike, PyCell
 from tests.client.builders import hi, msg, removed, stored
 
 WORKER = "pod-steps"
 EPOCH = 3
-LONG = 10 * STEP_EVENTS + 5  # events in one message: eleven pieces
+LONG = 10 * max(STEP_EVENTS, NATIVE_STEP_EVENTS) + 5  # events in one message: at least eleven pieces
 
 
 def _messages() -> list[GroupMessage]:
@@ -28,8 +29,8 @@ def _messages() -> list[GroupMessage]:
     return [first, second]
 
 
-def _keeper(messages: list[GroupMessage]) -> ResidencyKeeper:
-    keeper = ResidencyKeeper(WORKER, ranks=(0,))
+def _keeper(messages: list[GroupMessage], cell: type[CellLike] = Cell) -> ResidencyKeeper:
+    keeper = ResidencyKeeper(WORKER, ranks=(0,), cell=cell)
     encoder, subjects = MessageEncoder("msgpack"), SubjectBook("kv", WORKER, 0)
     base = stream_base(WORKER, 0, EPOCH)
     keeper.published([encoder.group(m, subjects, f"{base}:{m.seq}:0") for m in messages])
@@ -42,19 +43,34 @@ def _held(keeper: ResidencyKeeper) -> tuple[str, list[object]]:
     return snap.through, [(g.group, g.last_position, g.stored, g.removed, tier) for g in snap.groups for tier in g.tiers]
 
 
-def test_a_long_message_is_applied_in_pieces_to_the_same_residency() -> None:
-    whole = _keeper(_messages())
+@pytest.mark.parametrize("cell", [Cell, PyCell], ids=["native-or-fallback", "python"])
+def test_a_long_message_is_applied_in_pieces_to_the_same_residency(cell: type[CellLike]) -> None:
+    whole = _keeper(_messages(), cell)
     assert whole.catch_up() == 2
-    pieces = _keeper(_messages())
+    pieces = _keeper(_messages(), cell)
     slices = 0
     while pieces.pending:
         # A slice this short ends at the first pause: one piece of a message per call.
         pieces.catch_up(seconds=1e-9)
         slices += 1
         assert slices < 100
-    assert slices > LONG // STEP_EVENTS  # the first message took more than one slice
+    assert slices > LONG // pieces.step_events  # the first message took more than one slice
     assert pieces.applied == whole.applied
     assert _held(pieces) == _held(whole)
+
+
+@pytest.mark.parametrize("cell", [NATIVE_CELL, PyCell], ids=["native", "python"])
+def test_pieces_are_longer_for_the_native_loop(cell: type[CellLike] | None) -> None:
+    if cell is None:
+        pytest.skip("the native module was not built")
+    keeper = _keeper(_messages()[:1], cell)
+    step = NATIVE_STEP_EVENTS if cell is NATIVE_CELL else STEP_EVENTS
+    assert keeper.step_events == step
+    slices = 0
+    while keeper.pending:
+        keeper.catch_up(seconds=1e-9)
+        slices += 1
+    assert slices == -(-LONG // step)
 
 
 def test_a_message_applied_in_part_is_finished_before_anyone_reads() -> None:
