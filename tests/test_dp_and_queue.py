@@ -9,6 +9,7 @@ import pytest
 
 from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.contract import GroupMessage
+from bridge.producer.service import BODIES_QUEUED_AT_MOST, Bridge
 from bridge.producer.sink.encode import Outgoing
 from bridge.producer.sink.queue import BatchQueue, LostRange, OutBatch
 from bridge.runtime.nats_server import NatsServerProcess
@@ -95,3 +96,14 @@ def test_byte_bound_drops_the_oldest_batches_and_announces_them() -> None:
         q.pop()
     assert seqs == [-1, 2, 3, 4, 5] and [(g.first, g.last) for g in made] == [(0, 1)]
     assert q.bytes == 0 and not q.full()
+
+
+def test_batches_carry_their_structs_for_the_keeper_only_while_the_queue_is_short() -> None:
+    """A queue that grows is a burst: its batches hold payloads alone, not
+    the objects they encode, and the keeper decodes them again."""
+    bridge = Bridge(make_settings(zmq_endpoint="tcp://127.0.0.1:5557"))
+    assert bridge._keeper_takes_bodies()
+    for seq in range(BODIES_QUEUED_AT_MOST + 1):
+        bridge.queue.put(_batch(seq))
+    assert not bridge._keeper_takes_bodies()
+    assert not Bridge(make_settings(zmq_endpoint="tcp://127.0.0.1:5557", snapshots=False))._keeper_takes_bodies()

@@ -103,3 +103,25 @@ def test_payloads_are_each_message_alone_whatever_came_before() -> None:
             out = enc.group(msg, book, "w:0:9")
             assert type(out.payload) is bytes and out.payload == codec.encode(msg)
         assert len(enc._buffer) == 0  # the last one was past the bound: not kept
+
+
+def test_a_batch_carries_its_structs_only_while_the_keeper_takes_them() -> None:
+    """The snapshot keeper applies the struct a payload encodes instead of
+    decoding it again; the sink hands them over only while it asks (asked
+    once a batch), and a payload alone otherwise."""
+    takes = [True]
+    ident = StreamIdentity("w", 0, "kv@w", 9)
+    framing = Framing(0, ident, SubjectBook("kv", "w", 0), MessageEncoder("msgpack"), lambda: 1 << 20, Metrics(),
+                      structlog.get_logger("test"), lambda: 1000.0, keep_bodies=lambda: takes[0])
+    cleared = WorkerRecord(v=1, worker="w", dp_rank=0, epoch=9, type="cleared", ts=1.0, seq=5)
+    items: list[GroupMessage | WorkerRecord] = [_group("full_attention", "attention", 5), cleared,
+                                                _group("full_attention", "attention", 5, part=1)]
+    kept, _ = framing.batch(5, 1.0, items)
+    assert [m.body for m in kept.messages] == items
+    takes[0] = False
+    plain, _ = framing.batch(6, 1.0, items)
+    assert [m.body for m in plain.messages] == [None, None, None]
+    assert [m.payload for m in plain.messages] == [m.payload for m in kept.messages]
+    assert framing.record("stop", seq=6).messages[0].body is None
+    takes[0] = True
+    assert framing.record("stop", seq=6).messages[0].body is not None

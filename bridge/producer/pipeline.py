@@ -36,11 +36,14 @@ _STALLED_AFTER_S = 0.5
 
 
 class StreamPipeline:
-    """`max_payload`: the server's message limit; `nats_up`: whether NATS is connected."""
+    """`max_payload`: the server's message limit; `nats_up`: whether NATS is
+    connected; `keep_bodies`: whether a batch's messages carry the structs
+    they encode, for the snapshot keeper (`Framing`)."""
 
     def __init__(self, plan: StreamPlan, settings: StreamSettings, *, ctx: zmq.Context[zmq.Socket[bytes]],
                  queue: BatchQueue, encoder: MessageEncoder, metrics: Metrics, max_payload: Callable[[], int],
-                 nats_up: Callable[[], bool], watch: InputWatch | None = None) -> None:
+                 nats_up: Callable[[], bool], watch: InputWatch | None = None,
+                 keep_bodies: Callable[[], bool] | None = None) -> None:
         self.plan = plan
         self._watch = watch
         self._settings = settings
@@ -54,7 +57,8 @@ class StreamPipeline:
         self._log = structlog.get_logger("bridge.stream").bind(
             worker=settings.worker, dp_rank=plan.dp_rank, endpoint=plan.endpoint
         )
-        self._framing = Framing(plan.index, self.ident, self.subjects, encoder, max_payload, metrics, self._log)
+        self._framing = Framing(plan.index, self.ident, self.subjects, encoder, max_payload, metrics, self._log,
+                                keep_bodies=keep_bodies)
         self.announce = Announcer(self._framing, queue, metrics, self._log)
         self._stage = NormalizeStage(
             self.ident, BatchDecoder(relay=encoder.format == "msgpack"),

@@ -43,6 +43,10 @@ from bridge.runtime.nats_server import NatsServerProcess
 from bridge.runtime.stopping import stop_on_signal
 
 log = structlog.get_logger("bridge.producer.service")
+# Batches queued for NATS beyond which new messages go to the snapshot keeper
+# as their payloads alone: a queue that grows is a burst, and objects held
+# through it cost the relay more than a second decode (docs/benchmark.md).
+BODIES_QUEUED_AT_MOST = 2
 
 
 class Bridge:
@@ -115,6 +119,13 @@ class Bridge:
         The snapshot keeper's own work goes after it."""
         return len(self.queue) > 0 or self._input.waiting()
 
+    def _keeper_takes_bodies(self) -> bool:
+        """Whether the next batch's messages carry their structs for the
+        keeper: only while they would soon reach it (a short queue) and its
+        log is short, so that a burst holds bytes, not objects."""
+        keeper = self.keeper
+        return keeper is not None and len(self.queue) <= BODIES_QUEUED_AT_MOST and keeper.takes_bodies()
+
     def _gap_batch(self, lost: LostRange) -> OutBatch:
         return self._pipelines[lost.stream].gap_batch(lost)
 
@@ -185,6 +196,7 @@ class Bridge:
                 StreamPipeline(
                     plan, shared, ctx=ctx, queue=self.queue, encoder=encoder, metrics=self.metrics,
                     max_payload=self._max_payload, nats_up=lambda: self.health.nats_connected, watch=watch,
+                    keep_bodies=self._keeper_takes_bodies if self.keeper is not None else None,
                 )
             )
         stop = stop or anyio.Event()

@@ -21,6 +21,8 @@
 
 enum { K_BYTES = 0, K_INT = 1, K_UINT = 2, K_BIG = 3 };
 enum { L_TRUSTED = 0, L_SUSPECT = 1, L_PLACEHOLDER = 2 };
+/* The event classes apply_run reads: a removal's and up to seven stores'. */
+#define MAX_KINDS 8
 
 #define KIND_SHIFT 30
 #define LEN_MASK ((1u << KIND_SHIFT) - 1)
@@ -1083,9 +1085,11 @@ static int announced_again(Run *r, PyObject *ev, PyObject *chain, PyObject *stor
  * group: its number; family: F_* code; events: the message's list; start:
  * the first event to apply; memo: the batch position's `_Reannounced`;
  * others: (number, F_* code, window blocks or -1 when unknown) of the
- * rank's other ruled groups; kinds: (BlockRemoved, LeanStored,
- * BlockStored); index: the ResidencyIndex (its `reannounced_ignored`);
- * fields: per kind, its fields' member descriptors (None: read by name).
+ * rank's other ruled groups; kinds: the exact classes it reads,
+ * BlockRemoved first, then the stores' (LeanStored, BlockStored, and any
+ * class with a store's fields); index: the ResidencyIndex (its
+ * `reannounced_ignored`); fields: per kind, its fields' member descriptors
+ * (None: read by name).
  * Returns the index of the event the caller must apply itself, or
  * len(events) when the run is done. */
 static PyObject *apply_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
@@ -1099,13 +1103,16 @@ static PyObject *apply_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
     Py_ssize_t i = PyLong_AsSsize_t(args[5]);
     if ((family == -1 || i == -1) && PyErr_Occurred()) return NULL;
     if (!PyDict_Check(slot_cells) || !PyList_Check(events) || !PyTuple_Check(others) || !PyTuple_Check(kinds)
-        || PyTuple_GET_SIZE(kinds) != 3 || !PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) != 3) {
-        PyErr_SetString(PyExc_TypeError, "apply_run: slot_cells dict, events list, others and kinds tuples");
+        || PyTuple_GET_SIZE(kinds) < 2 || PyTuple_GET_SIZE(kinds) > MAX_KINDS || !PyTuple_Check(fields)
+        || PyTuple_GET_SIZE(fields) != PyTuple_GET_SIZE(kinds)) {
+        PyErr_SetString(PyExc_TypeError, "apply_run: slot_cells dict, events list, others tuple, and kinds and "
+                                         "fields tuples of one length (2 to 8)");
         return NULL;
     }
-    PyTypeObject *removed_t = (PyTypeObject *)PyTuple_GET_ITEM(kinds, 0),
-                 *lean_t = (PyTypeObject *)PyTuple_GET_ITEM(kinds, 1),
-                 *stored_t = (PyTypeObject *)PyTuple_GET_ITEM(kinds, 2);
+    /* kinds[0] is the removal's class; every other one a store's */
+    Py_ssize_t nkinds = PyTuple_GET_SIZE(kinds);
+    PyTypeObject *kind_t[MAX_KINDS];
+    for (Py_ssize_t j = 0; j < nkinds; j++) kind_t[j] = (PyTypeObject *)PyTuple_GET_ITEM(kinds, j);
     PyObject *v = PyObject_GetAttr(g, S_G_BLOCK_SIZE);
     if (v == NULL) return NULL;
     int overflow = 0;
@@ -1126,9 +1133,11 @@ static PyObject *apply_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
         PyObject *ev = PyList_GET_ITEM(events, i);
         PyTypeObject *t = Py_TYPE(ev);
         PyObject *medium = NULL, *hashes = NULL;
-        int is_removal = t == removed_t;
-        if (!is_removal && t != lean_t && t != stored_t) break; /* a subclass: the index's own test */
-        PyObject *descrs = PyTuple_GET_ITEM(fields, is_removal ? 0 : t == lean_t ? 1 : 2);
+        Py_ssize_t kind = 0;
+        while (kind < nkinds && kind_t[kind] != t) kind++;
+        if (kind == nkinds) break; /* a class not named (a subclass, say): the index's own loop */
+        int is_removal = kind == 0;
+        PyObject *descrs = PyTuple_GET_ITEM(fields, kind);
         if (!PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) != FD_N) descrs = NULL;
         medium = field(descrs, FD_MEDIUM, ev);
         hashes = field(descrs, FD_HASHES, ev);

@@ -48,8 +48,15 @@ LOOKUP_STEP = 2048
 RUN_KINDS = (BlockRemoved, LeanStored, BlockStored)
 _RUN_FIELD_NAMES = ("block_hashes", "medium", "block_size", "kv_cache_spec_sliding_window", "placeholder",
                     "parent_block_hash", "token_ids")
-RUN_FIELDS = tuple(tuple(d if isinstance(d := getattr(kind, name, None), MemberDescriptorType) else None
-                         for name in _RUN_FIELD_NAMES) for kind in RUN_KINDS)
+
+
+def run_fields(kinds: tuple[type, ...]) -> tuple[tuple[MemberDescriptorType | None, ...], ...]:
+    """Per class, the member descriptors of the fields the native loop reads."""
+    return tuple(tuple(d if isinstance(d := getattr(kind, name, None), MemberDescriptorType) else None
+                       for name in _RUN_FIELD_NAMES) for kind in kinds)
+
+
+RUN_FIELDS = run_fields(RUN_KINDS)
 
 
 class _Held:
@@ -65,10 +72,17 @@ class _Held:
 
 class RankTables:
     """A few worker ranks' residency; `ResidencyIndex(store=RankTables())`.
-    `cell`: the tier's type (`bridge.residency.cells`; the native one when built)."""
+    `cell`: the tier's type (`bridge.residency.cells`; the native one when built);
+    `stores`: subclasses of `BlockStored` the native loop also reads itself
+    (their exact class: the bridge's own relay form, say), not left to the
+    index's loop event by event."""
 
-    def __init__(self, cell: type[CellLike] = Cell) -> None:
+    def __init__(self, cell: type[CellLike] = Cell, stores: tuple[type[BlockStored], ...] = ()) -> None:
         self._cell_type = cell
+        if not all(isinstance(kind, type) and issubclass(kind, BlockStored) for kind in stores):
+            raise TypeError("stores: subclasses of BlockStored")
+        self._run_kinds = RUN_KINDS + tuple(kind for kind in stores if kind not in RUN_KINDS)
+        self._run_fields = run_fields(self._run_kinds)
         # Over native cells, a message's events are applied by one native
         # loop (`run_events`); the index's own loop does it otherwise.
         self.native_runs = cell is NATIVE_CELL and apply_run is not None
@@ -172,8 +186,8 @@ class RankTables:
         batch position's parent-less stores; `others`: (number, family,
         window blocks or -1) of the rank's other ruled groups."""
         assert apply_run is not None
-        return apply_run(self._cells[g._slot], g, g.group, family, events, start, memo, others, RUN_KINDS, index,
-                         RUN_FIELDS)
+        return apply_run(self._cells[g._slot], g, g.group, family, events, start, memo, others, self._run_kinds,
+                         index, self._run_fields)
 
     def demote_all(self) -> None:
         """This reader lost messages: every trusted copy of every rank becomes suspect."""

@@ -36,6 +36,10 @@ class Outgoing(msgspec.Struct, gc=False, array_like=True):
     # built once by the encoder: a publisher writing HPUB frames itself
     # (`hpub_frames`) skips nats-py's per-message header encoding and checks.
     head: bytes = b""
+    # The struct the payload encodes, when the snapshot keeper asked for it
+    # (`MessageEncoder.group(keep_body=True)`): it applies that instead of
+    # decoding the payload again.
+    body: GroupMessage | WorkerRecord | None = None
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +62,7 @@ class MessageEncoder:
         self._epoch = -1
         self._epoch_text = ""
 
-    def group(self, msg: GroupMessage, subjects: SubjectBook, msg_id_base: str) -> Outgoing:
+    def group(self, msg: GroupMessage, subjects: SubjectBook, msg_id_base: str, keep_body: bool = False) -> Outgoing:
         seq = str(msg.seq)
         family = msg.family
         static = self._static.get((msg.kind, family))
@@ -85,7 +89,8 @@ class MessageEncoder:
         payload = bytes(buffer)
         if len(buffer) > KEPT_BUFFER_BYTES:
             self._buffer = bytearray()
-        return Outgoing(subjects.group(msg.group), payload, headers, family, len(msg.events), head)
+        return Outgoing(subjects.group(msg.group), payload, headers, family, len(msg.events), head,
+                        msg if keep_body else None)
 
     def _static_headers(self, kind: str, family: str) -> tuple[str, dict[str, str]]:
         """What a group message's headers share with every other of its kind:
@@ -96,7 +101,7 @@ class MessageEncoder:
             self._static[(kind, family)] = entry
         return entry
 
-    def record(self, rec: WorkerRecord, subjects: SubjectBook, msg_id: str) -> Outgoing:
+    def record(self, rec: WorkerRecord, subjects: SubjectBook, msg_id: str, keep_body: bool = False) -> Outgoing:
         headers = {
             HDR_MSG_ID: msg_id,
             HDR_RECORD: rec.type,
@@ -105,7 +110,8 @@ class MessageEncoder:
         }
         if rec.seq is not None:
             headers[HDR_SEQ] = str(rec.seq)
-        return Outgoing(subjects.worker, self._encode(rec), headers, WORKER_TOKEN, 0, header_block(headers))
+        return Outgoing(subjects.worker, self._encode(rec), headers, WORKER_TOKEN, 0, header_block(headers),
+                        rec if keep_body else None)
 
 
 def header_block(headers: dict[str, str]) -> bytes:

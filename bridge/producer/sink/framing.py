@@ -28,10 +28,16 @@ from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.telemetry.metrics import Metrics
 
 
+def _never() -> bool:
+    return False
+
+
 class Framing:
     """Messages for stream `stream` (the queue's index of it), under `ident`'s
     current epoch. `max_payload` is the server's limit, read per batch: it is
-    known only once connected and may change on reconnect."""
+    known only once connected and may change on reconnect. `keep_bodies`,
+    asked once a batch: whether its messages carry the structs they encode
+    (`Outgoing.body`), for the snapshot keeper."""
 
     def __init__(
         self,
@@ -43,6 +49,7 @@ class Framing:
         metrics: Metrics,
         log: structlog.typing.FilteringBoundLogger,
         clock: Callable[[], float] = time.time,
+        keep_bodies: Callable[[], bool] | None = None,
     ) -> None:
         self._stream = stream
         self._ident = ident
@@ -52,6 +59,7 @@ class Framing:
         self._metrics = metrics
         self._log = log
         self._clock = clock
+        self._keep_bodies = keep_bodies or _never
         self._token = worker_token(ident.worker, ident.dp_rank)
         self._base_epoch = -1
         self._base = ""
@@ -81,7 +89,7 @@ class Framing:
         # and the stream's duplicate window would drop its record as a copy.
         at = record_at(None if type_ in ("start", "stop") else seq, rec.ts, gap)
         msg_id = record_id(stream_base(self._token, ident.dp_rank, rec.epoch), at, type_)
-        out = self._encoder.record(rec, self._subjects, msg_id)
+        out = self._encoder.record(rec, self._subjects, msg_id, self._keep_bodies())
         return OutBatch(self._stream, rec.epoch, -1, rec.ts, [out], ident.dp_rank)
 
     def batch(self, seq: int, ts: float, items: list[GroupMessage | WorkerRecord]) -> tuple[OutBatch, bool]:
@@ -93,12 +101,13 @@ class Framing:
             self._base = stream_base(self._token, self._ident.dp_rank, epoch)
         base = self._base
         limit = self._max_payload()
+        keep = self._keep_bodies()
         out: list[Outgoing] = []
         clears = 0
         unpublishable = False
         for item in items:
             if type(item) is GroupMessage:
-                encoded = self._group(item, base, limit)
+                encoded = self._group(item, base, limit, keep)
                 if encoded is None:
                     unpublishable = True
                 else:
@@ -106,18 +115,18 @@ class Framing:
             else:
                 clears += 1
                 msg_id = record_id(base, str(seq), f"cleared{clears}")
-                out.append(self._encoder.record(item, self._subjects, msg_id))  # type: ignore[arg-type]
+                out.append(self._encoder.record(item, self._subjects, msg_id, keep))  # type: ignore[arg-type]
         if self._partial is not None and self._partial[0] == seq:
             out = _after_last_stored(out, self._partial[1])
             self._partial = None
         return OutBatch(self._stream, epoch, seq, ts, out, self._ident.dp_rank), unpublishable
 
-    def _group(self, msg: GroupMessage, base: str, limit: int) -> list[Outgoing] | None:
+    def _group(self, msg: GroupMessage, base: str, limit: int, keep: bool) -> list[Outgoing] | None:
         """The group's slice as NATS messages: several if it exceeds the
         server's max_payload (events split in order, `chunk`/`chunks` say so),
         none (counted, logged) if it cannot be sent at all."""
         try:
-            out = self._encoder.group(msg, self._subjects, base)
+            out = self._encoder.group(msg, self._subjects, base, keep)
         except (TypeError, ValueError, OverflowError) as exc:
             # JSON cannot carry what msgpack can (Ext values, non-string keys)
             # in vLLM's free-form extra_keys: forward the events without them.
@@ -127,7 +136,7 @@ class Framing:
             self._metrics.transformed_by["extra_keys_dropped"].inc()
             self._log.warning("extra_keys_dropped", seq=msg.seq, group=msg.group, error=str(exc)[:200])
             try:
-                out = self._encoder.group(msg, self._subjects, base)
+                out = self._encoder.group(msg, self._subjects, base, keep)
             except (TypeError, ValueError, OverflowError) as exc2:
                 self._metrics.malformed_by["unencodable"].inc()
                 self._log.warning("unencodable", seq=msg.seq, group=msg.group, error=str(exc2)[:200])
@@ -146,7 +155,7 @@ class Framing:
         self._metrics.transformed_by["split"].inc()
         return [
             self._encoder.group(
-                msgspec.structs.replace(msg, events=events, chunk=i, chunks=len(pieces)), self._subjects, base
+                msgspec.structs.replace(msg, events=events, chunk=i, chunks=len(pieces)), self._subjects, base, keep
             )
             for i, events in enumerate(pieces)
         ]

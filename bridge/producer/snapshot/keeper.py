@@ -8,8 +8,11 @@ window holds back acks that overtook a lost one until its copy is stored), so
 the snapshot names the stream sequence a reader goes on from. A message's
 effect lands on an index only when a snapshot needs it, or while the bridge
 has nothing else to do: until then the keeper only keeps a reference to the
-encoded payload it already made, and the work of decoding and applying it
-stays off the path from vLLM to NATS. The log is bounded by bytes: when the
+message, and the work of applying it stays off the path from vLLM to NATS.
+While its log and the relay's queue are short, the reference is to the
+struct the sink encoded (`Outgoing.body`), applied as it is; otherwise (a
+burst) to the payload, decoded again when applied, since holding the objects
+of a burst costs the relay more than that decode. The log is bounded by bytes: when the
 bridge is so busy that it grows past the bound, the live stream keeps
 priority and the log is let go, its ranks' views turned stale and partial
 (`ResidencyIndex.lose`), which is what their snapshots then say.
@@ -31,6 +34,7 @@ from bridge.contract import DEFAULT_FORMAT, FORMATS, HDR_FORMAT, HDR_MSG_ID, HDR
 from bridge.contract import decoder_for as _decoder_for
 from bridge.contract.identity import Origin, Refusal, check
 from bridge.contract.snapshot import RankSnapshot, encode_snapshot_steps
+from bridge.producer.decode.wire import RelayBlockStored
 from bridge.producer.sink.acks import ack_seq
 from bridge.producer.sink.encode import Outgoing
 from bridge.residency import ResidencyIndex
@@ -87,11 +91,20 @@ GARBAGE_STEP = 64
 # 64-event traffic: 221 and 238 bytes). The message's header map and wire
 # headers are not kept: the sink lets them go once written.
 ENTRY_BYTES = 224
+# A struct held instead of its payload is counted as this many times the
+# payload's bytes: its events, hashes and lists took 1.51 to 1.54 times
+# (tracemalloc over the bench's 8-, 64- and 512-event traffic, the relay's
+# own structs); the rest is room for messages with more hashes per event.
+BODY_BYTES_PER_PAYLOAD_BYTE = 2
+# The keeper takes structs (`takes_bodies`) while its log holds less than this.
+BODIES_WHILE_LOG_UNDER = 4 * 1024 * 1024
 
-# A logged message: its payload, Nats-Msg-Id, the decoder its headers call
-# for (None: a format the keeper does not read), JetStream ack, and what it
-# counts against the log's bound.
-_Entry = tuple[bytes, str, Any, "bytes | None", int]
+# A logged message: its payload (or the struct it encodes), Nats-Msg-Id, the
+# decoder its headers call for (None: a format the keeper does not read;
+# _BODY: a struct, applied as it is), JetStream ack, and what it counts
+# against the log's bound.
+_Entry = tuple[Any, str, Any, "bytes | None", int]
+_BODY = object()
 
 
 class _Through:
@@ -132,7 +145,8 @@ class ResidencyKeeper:
         self._busy_wait = busy_wait
         # One worker's few ranks: per-rank tables, not the fleet structure
         # (a store is a dict update per hash, not interning and holder sets).
-        tables = RankTables(cell=cell)
+        # The relay's stores are read by the native loop as the contract's are.
+        tables = RankTables(cell=cell, stores=(RelayBlockStored,))
         self._index = ResidencyIndex(store=tables)
         self.step_events = NATIVE_STEP_EVENTS if tables.native_runs else STEP_EVENTS
         # A message applied in part by an idle slice: finished before anything
@@ -229,9 +243,19 @@ class ResidencyKeeper:
         with anyio.move_on_after(self._busy_wait):
             await wrote.wait()
 
+    def takes_bodies(self) -> bool:
+        """Whether messages handed over now may carry the structs they encode
+        (`Outgoing.body`): while the log is short, so that it holds bytes
+        through a burst."""
+        return self.log_bytes < BODIES_WHILE_LOG_UNDER
+
     def _entry(self, msg: Outgoing, ack: bytes | None) -> _Entry:
         headers = msg.headers
         payload = msg.payload
+        body = msg.body
+        if body is not None:
+            return (body, headers.get(HDR_MSG_ID, ""), _BODY, ack,
+                    BODY_BYTES_PER_PAYLOAD_BYTE * len(payload) + ENTRY_BYTES)
         return payload, headers.get(HDR_MSG_ID, ""), self._decoder_of(headers), ack, len(payload) + ENTRY_BYTES
 
     def _decoder_of(self, headers: dict[str, str]) -> Any:
@@ -329,9 +353,9 @@ class ResidencyKeeper:
             if steps is None:
                 if not log_ or (limit and n >= limit):
                     break
-                payload, msg_id, decoder, ack, size = log_.popleft()
+                item, msg_id, decoder, ack, size = log_.popleft()
                 self.log_bytes -= size
-                body = self._read(decoder, payload, None)
+                body = item if decoder is _BODY else self._read(decoder, item, None)
                 if body is not None:
                     if every and type(body) is not WorkerRecord and len(body.events) > every:
                         steps = self._apply_steps(body, msg_id, ack, every)
@@ -383,7 +407,11 @@ class ResidencyKeeper:
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One of the bridge's own messages, applied now (not logged)."""
-        self.apply_payload(msg.headers, msg.payload, ack)
+        if msg.body is not None:
+            self.settle()
+            self._apply_body(msg.body, msg.headers.get(HDR_MSG_ID, ""), ack)
+        else:
+            self.apply_payload(msg.headers, msg.payload, ack)
 
     def apply_payload(self, headers: dict[str, str], payload: bytes, ack: bytes | None = None, *,
                       origin: Origin | None = None) -> Refusal | None:
