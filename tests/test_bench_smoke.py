@@ -85,3 +85,18 @@ def test_hot_path_benchmark_measures_both_encodings(tmp_path: Path) -> None:
     cells = result["cells"]
     assert set(cells) == {"this-map", "this-array"}
     assert all(cell["ns_per_event"] > 0 for cell in cells.values())
+
+
+def test_bridges_side_by_side_at_a_fixed_load() -> None:
+    """`python -m bench.at_load`: each variant (its own flags) takes the load
+    in turn and gets a row of medians (never how fast: the counts are tiny)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.at_load", "--smoke", "--size", "8", "--seconds", "0.3",
+                           "--rounds", "1", "--rate", "5000", "--variant", "snap=", "--variant", "nosnap=--no-snapshots"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("variant"))
+    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1:]}
+    assert set(rows) == {"snap", "nosnap"}
+    assert all(float(cpu) > 0 and float(rss) > 0 for cpu, _, _, rss in rows.values())
+    assert "round 1 snap" in proc.stdout and "round 1 nosnap" in proc.stdout
