@@ -1078,6 +1078,74 @@ static int announced_again(Run *r, PyObject *ev, PyObject *chain, PyObject *stor
     return 0;
 }
 
+/* The tables a run's lookups go to: the trusted layer of each tier of the
+ * group, and of each other ruled group's GPU tier (the report-mode rule's).
+ * Their cells are held for the run, so that one a take-back drops stays
+ * readable. */
+#define MAX_AHEAD_MAPS 8
+typedef struct {
+    PyObject *cells[MAX_AHEAD_MAPS];
+    int n;
+} Ahead;
+
+static void ahead_add(Ahead *a, PyObject *cell) {
+    if (cell == NULL || a->n == MAX_AHEAD_MAPS || !PyObject_TypeCheck(cell, &CellType)) return;
+    for (int j = 0; j < a->n; j++)
+        if (a->cells[j] == cell) return;
+    Py_INCREF(cell);
+    a->cells[a->n++] = cell;
+}
+
+static void ahead_init(Ahead *a, PyObject *slot_cells, PyObject *group, PyObject *others) {
+    a->n = 0;
+    PyObject *media = PyDict_GetItemWithError(slot_cells, group);
+    if (media != NULL && PyDict_Check(media)) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(media, &pos, &k, &v)) ahead_add(a, v);
+    }
+    for (Py_ssize_t o = 0; o < PyTuple_GET_SIZE(others); o++) {
+        PyObject *t = PyTuple_GET_ITEM(others, o);
+        PyObject *m = PyTuple_Check(t) && PyTuple_GET_SIZE(t) > 0
+            ? PyDict_GetItemWithError(slot_cells, PyTuple_GET_ITEM(t, 0)) : NULL;
+        if (m != NULL && PyDict_Check(m)) ahead_add(a, PyDict_GetItemWithError(m, S_GPU));
+    }
+    PyErr_Clear(); /* a lookup that failed only loses a prefetch */
+}
+
+static void ahead_release(Ahead *a) {
+    for (int j = 0; j < a->n; j++) Py_DECREF(a->cells[j]);
+    a->n = 0;
+}
+
+/* Asks the CPU to fetch the index slots an event's hashes will be probed at
+ * while the event before it is applied: in tables of 100,000 entries each
+ * probe's first read is a cache miss, and these overlap where probes one
+ * after another would wait for each in turn. Only bytes hashes; nothing
+ * is read but the event's hash list. */
+static void ahead_fetch(const Ahead *a, PyObject *descrs, PyObject *ev) {
+    if (!a->n) return;
+    if (!PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) != FD_N) descrs = NULL;
+    PyObject *hashes = field(descrs, FD_HASHES, ev);
+    if (hashes == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (PyList_Check(hashes)) {
+        Py_ssize_t n = PyList_GET_SIZE(hashes);
+        for (Py_ssize_t i = 0; i < n && i < 32; i++) {
+            PyObject *h = PyList_GET_ITEM(hashes, i);
+            if (!PyBytes_Check(h)) continue;
+            uint64_t fp = hash_bytes(PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h), K_BYTES);
+            for (int j = 0; j < a->n; j++) {
+                const OMap *m = &((Cell *)a->cells[j])->layer[L_TRUSTED];
+                if (m->live) __builtin_prefetch(&m->ix[(size_t)fp & ((size_t)m->ixcap - 1)]);
+            }
+        }
+    }
+    Py_DECREF(hashes);
+}
+
 /* apply_run(slot_cells, g, group, family, events, start, memo, others, kinds, index, fields) -> int
  *
  * slot_cells: the rank's group -> medium -> Cell dict; g: the group's
@@ -1128,6 +1196,8 @@ static PyObject *apply_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
     Py_ssize_t stored = 0, removed = 0, unknown = 0, reannounced = 0, n = PyList_GET_SIZE(events);
     int failed = 0;
     PyObject *media = NULL; /* this group's, borrowed from slot_cells */
+    Ahead ahead;
+    ahead_init(&ahead, slot_cells, group, others);
 
     for (; i < n; i++) {
         PyObject *ev = PyList_GET_ITEM(events, i);
@@ -1136,6 +1206,12 @@ static PyObject *apply_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
         Py_ssize_t kind = 0;
         while (kind < nkinds && kind_t[kind] != t) kind++;
         if (kind == nkinds) break; /* a class not named (a subclass, say): the index's own loop */
+        if (i + 1 < n) {
+            PyObject *next = PyList_GET_ITEM(events, i + 1);
+            Py_ssize_t nk = 0;
+            while (nk < nkinds && kind_t[nk] != Py_TYPE(next)) nk++;
+            if (nk < nkinds) ahead_fetch(&ahead, PyTuple_GET_ITEM(fields, nk), next);
+        }
         int is_removal = kind == 0;
         PyObject *descrs = PyTuple_GET_ITEM(fields, kind);
         if (!PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) != FD_N) descrs = NULL;
@@ -1254,6 +1330,7 @@ static PyObject *apply_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
         Py_DECREF(hashes);
         if (failed) break;
     }
+    ahead_release(&ahead);
     /* what the run taught the group, and its counters */
     if (block_size != block_size0) {
         PyObject *b = PyLong_FromLong(block_size);
