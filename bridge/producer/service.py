@@ -44,8 +44,7 @@ from bridge.runtime.stopping import stop_on_signal
 
 log = structlog.get_logger("bridge.producer.service")
 # Batches queued for NATS beyond which new messages go to the snapshot keeper
-# as their payloads alone: a queue that grows is a burst, and objects held
-# through it cost the relay more than a second decode (docs/benchmark.md).
+# as their payloads alone (`Bridge._keeper_takes_bodies`).
 BODIES_QUEUED_AT_MOST = 2
 
 
@@ -121,10 +120,13 @@ class Bridge:
 
     def _keeper_takes_bodies(self) -> bool:
         """Whether the next batch's messages carry their structs for the
-        keeper: only while they would soon reach it (a short queue) and its
-        log is short, so that a burst holds bytes, not objects."""
+        keeper: only while the relay keeps up (no batch waits in ZMQ, and
+        few for NATS) and the keeper's log is short. In a burst they carry
+        their payloads alone: objects held through a burst cost the relay
+        more than the keeper's decode."""
         keeper = self.keeper
-        return keeper is not None and len(self.queue) <= BODIES_QUEUED_AT_MOST and keeper.takes_bodies()
+        return (keeper is not None and len(self.queue) <= BODIES_QUEUED_AT_MOST and keeper.takes_bodies()
+                and not self._input.waiting())
 
     def _gap_batch(self, lost: LostRange) -> OutBatch:
         return self._pipelines[lost.stream].gap_batch(lost)
