@@ -6,6 +6,7 @@ import time
 from typing import cast
 
 import pytest
+import zmq
 
 from bridge.apps.demo.wire_writer import encode_batch, stored
 from bridge.contract import GroupMessage
@@ -103,6 +104,21 @@ def test_batches_carry_their_structs_for_the_keeper_only_while_the_queue_is_shor
     the objects they encode, and the keeper decodes them again."""
     bridge = Bridge(make_settings(zmq_endpoint="tcp://127.0.0.1:5557"))
     assert bridge._keeper_takes_bodies()
+    # a batch waiting in ZMQ: the relay runs behind vLLM
+    ctx = zmq.Context()
+    try:
+        recv, send = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        recv.bind("inproc://bodies")
+        send.connect("inproc://bodies")
+        bridge._input.add(recv)
+        send.send(b"batch")
+        time.sleep(0.05)
+        assert not bridge._keeper_takes_bodies()
+        recv.recv()
+        assert bridge._keeper_takes_bodies()
+        bridge._input.remove(recv)
+    finally:
+        ctx.destroy(linger=0)
     for seq in range(BODIES_QUEUED_AT_MOST + 1):
         bridge.queue.put(_batch(seq))
     assert not bridge._keeper_takes_bodies()
