@@ -9,10 +9,11 @@ the snapshot names the stream sequence a reader goes on from. A message's
 effect lands on an index only when a snapshot needs it, or while the bridge
 has nothing else to do: until then the keeper only keeps a reference to the
 message, and the work of applying it stays off the path from vLLM to NATS.
-While its log and the relay's queue are short, the reference is to the
-struct the sink encoded (`Outgoing.body`), applied as it is; otherwise (a
-burst) to the payload, decoded again when applied, since holding the objects
-of a burst costs the relay more than that decode. The log is bounded by bytes: when the
+While the relay keeps up (no batch waits in ZMQ, few for NATS) and the log is
+short, the reference is to the struct the sink encoded (`Outgoing.body`),
+applied as it is; otherwise (a burst) to the payload, decoded again when
+applied, since holding the objects of a burst costs the relay more than that
+decode. The log is bounded by bytes: when the
 bridge is so busy that it grows past the bound, the live stream keeps
 priority and the log is let go, its ranks' views turned stale and partial
 (`ResidencyIndex.lose`), which is what their snapshots then say.
