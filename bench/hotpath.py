@@ -4,7 +4,9 @@ What kv-bridge does to every batch between ZMQ and the NATS socket, without
 either: decode (`BatchDecoder`, msgpack relay), normalize (`Normalizer`) and
 encode each group message (`MessageEncoder`), and with `--keep` what the
 snapshot keeper then does with them (`ResidencyKeeper`: log each message and
-apply it to the rank's residency), over the benchmark's traffic
+apply it to the rank's residency: from its payload, as in a burst, or with
+`--bodies` from the struct the encoder made, as while the relay keeps up),
+over the benchmark's traffic
 (bench/traffic.py) in map form and in array form. Each (tree, encoding) runs
 in its own process, so a tree's own `bridge` package is the one imported.
 
@@ -65,6 +67,11 @@ subjects = SubjectBook("kv", "bench", 0)
 ident = StreamIdentity(worker="bench", dp_rank=0, topic="", epoch=1)
 stats = NormalizeStats()
 keeper = ResidencyKeeper("bench")
+# The keeper takes the structs the encoder made (a tree whose encoder cannot
+# hand them over: their payloads, and the output says so).
+import inspect
+bodies = sys.argv[6] == "1" and "keep_body" in inspect.signature(encoder.group).parameters
+kept = {"keep_body": True} if bodies else {}
 
 # Each round's batches come after the last round's, as a publisher cycling
 # its traffic sends them: a keeper takes a seq it applied already for a
@@ -79,7 +86,7 @@ def one_round():
         out = []
         for item in normalizer.normalize(ident, seq, batch.ts, batch.events, 0.0, stats):
             if upto >= 3 and hasattr(item, "events"):
-                out.append(encoder.group(item, subjects, "bench:0:1"))
+                out.append(encoder.group(item, subjects, "bench:0:1", **kept))
         if upto == 4:
             keeper.published(out)
             keeper.catch_up()
@@ -92,7 +99,7 @@ for _ in range(repeats):
     for _ in range(rounds):
         one_round()
     times.append(time.perf_counter() - start)
-print(json.dumps({"events": events * rounds, "times": times}))
+print(json.dumps({"events": events * rounds, "times": times, "bodies": bodies}))
 """
 
 
@@ -101,8 +108,9 @@ KEEP_STAGES = (*STAGES, "keep")
 
 
 def run_child(tree: Path, traffic: Path, size: int, rounds: int, repeats: int,
-              callgrind: bool = False, upto: int = len(STAGES)) -> tuple[dict[str, Any], int | None]:
-    argv = [sys.executable, "-c", CHILD, str(traffic), str(size), str(rounds), str(repeats), str(upto)]
+              callgrind: bool = False, upto: int = len(STAGES), bodies: bool = False) -> tuple[dict[str, Any], int | None]:
+    argv = [sys.executable, "-c", CHILD, str(traffic), str(size), str(rounds), str(repeats), str(upto),
+            "1" if bodies else "0"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if callgrind:
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
@@ -116,19 +124,19 @@ def run_child(tree: Path, traffic: Path, size: int, rounds: int, repeats: int,
 
 
 def instructions_per_event(tree: Path, traffic: Path, size: int, rounds: int,
-                           upto: int = len(STAGES)) -> float | None:
+                           upto: int = len(STAGES), bodies: bool = False) -> float | None:
     """(Ir with `rounds` rounds of the first `upto` stages - Ir with none) / events."""
-    _, base = run_child(tree, traffic, size, 0, 1, callgrind=True)
-    out, total = run_child(tree, traffic, size, rounds, 1, callgrind=True, upto=upto)
+    _, base = run_child(tree, traffic, size, 0, 1, callgrind=True, bodies=bodies)
+    out, total = run_child(tree, traffic, size, rounds, 1, callgrind=True, upto=upto, bodies=bodies)
     if base is None or total is None or not out["events"]:
         return None
     return (total - base) / out["events"]
 
 
 def instructions_by_stage(tree: Path, traffic: Path, size: int, rounds: int,
-                          stages: tuple[str, ...] = STAGES) -> dict[str, float] | None:
+                          stages: tuple[str, ...] = STAGES, bodies: bool = False) -> dict[str, float] | None:
     """Ir/event of each stage: the runs up to it and up to the one before, subtracted."""
-    upto = [instructions_per_event(tree, traffic, size, rounds, n) for n in range(1, len(stages) + 1)]
+    upto = [instructions_per_event(tree, traffic, size, rounds, n, bodies) for n in range(1, len(stages) + 1)]
     if any(ir is None for ir in upto):
         return None
     cumulative = [0.0, *(ir for ir in upto if ir is not None)]
@@ -155,11 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-callgrind", action="store_true")
     ap.add_argument("--stages", action="store_true", help="Also Ir/event per stage (a callgrind run a stage and cell).")
     ap.add_argument("--keep", action="store_true", help="Also the snapshot keeper's stage (log and apply).")
+    ap.add_argument("--bodies", action="store_true",
+                    help="With --keep: the keeper takes the structs the encoder made, as while the relay keeps up "
+                         "(default: their payloads, as in a burst).")
     ap.add_argument("--smoke", action="store_true", help="Tiny counts, no callgrind: only that it runs.")
     ap.add_argument("--pool-events", type=int, default=60_000, help="Distinct events in the traffic pool.")
     ap.add_argument("--map-only", action="store_true", help="Leave out the array-form cell.")
     ap.add_argument("--out", help="JSON output (default bench/results/hotpath.json).")
     args = ap.parse_args(argv)
+    if args.bodies and not args.keep:
+        ap.error("--bodies needs --keep")
     stages = KEEP_STAGES if args.keep else STAGES
     pool_events = 3_000 if args.smoke else args.pool_events
     repeats, rounds = (1, 1) if args.smoke else (args.repeats, args.rounds)
@@ -174,25 +187,27 @@ def main(argv: list[str] | None = None) -> int:
         cells = [(t, e) for t in trees for e in traffic if not (t == "ref" and e == "array")]
         times: dict[str, list[float]] = {f"{t}-{e}": [] for t, e in cells}
         events: dict[str, int] = {}
+        bodies: dict[str, bool] = {}
         for _ in range(repeats):  # interleaved: a noisy neighbour hurts every cell alike
             for t, e in cells:
-                out, _ = run_child(trees[t], traffic[e], args.size, rounds, 1, upto=len(stages))
+                out, _ = run_child(trees[t], traffic[e], args.size, rounds, 1, upto=len(stages), bodies=args.bodies)
                 times[f"{t}-{e}"].extend(out["times"])
                 events[f"{t}-{e}"] = out["events"]
+                bodies[f"{t}-{e}"] = bool(out.get("bodies"))
         result: dict[str, Any] = {"size": args.size, "rounds": rounds, "repeats": repeats, "stages": list(stages),
                               "cells": {}}
         for name in times:
             ns = statistics.median(times[name]) / events[name] * 1e9
-            result["cells"][name] = {"ns_per_event": round(ns, 1), "ns_each": [
+            result["cells"][name] = {"ns_per_event": round(ns, 1), "bodies": bodies[name], "ns_each": [
                 round(x / events[name] * 1e9, 1) for x in times[name]]}
             if callgrind:
                 t, e = name.split("-")
                 if args.stages:
-                    by_stage = instructions_by_stage(trees[t], traffic[e], args.size, 1, stages)
+                    by_stage = instructions_by_stage(trees[t], traffic[e], args.size, 1, stages, args.bodies)
                     ir = None if by_stage is None else sum(by_stage.values())
                     result["cells"][name]["ir_by_stage"] = by_stage and {k: round(v) for k, v in by_stage.items()}
                 else:
-                    ir = instructions_per_event(trees[t], traffic[e], args.size, 1, len(stages))
+                    ir = instructions_per_event(trees[t], traffic[e], args.size, 1, len(stages), args.bodies)
                 result["cells"][name]["ir_per_event"] = None if ir is None else round(ir)
     base = result["cells"].get("ref-map") or result["cells"]["this-map"]
     print(f"hot path ({', '.join(stages)}), {args.size}-event batches; ns/event: median of {repeats}")
@@ -206,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<12} {cell['ns_per_event']:>9.0f} {ns_ratio:>7.3f} "
               f"{'-' if ir is None else ir:>9} {'-' if ir_ratio is None else format(ir_ratio, '.3f'):>7}")
     print("(x map: the map-form cell of the reference tree, else of this one, over this cell; above 1 is faster)")
+    if args.bodies:
+        print("keeper fed structs: " + ", ".join(f"{name} {'yes' if cell['bodies'] else 'no (payloads)'}"
+                                                 for name, cell in result["cells"].items()))
     if base.get("ir_by_stage"):
         print_stages(result["cells"], base["ir_by_stage"], stages)
     out_path = Path(args.out) if args.out else RESULTS / "hotpath.json"
