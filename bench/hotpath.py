@@ -47,7 +47,7 @@ RESULTS = ROOT / "bench" / "results"
 # takes that tree's package; it reads the traffic without bench/ (which differs
 # between trees) and uses only names every tree has had.
 CHILD = r"""
-import itertools, json, sys, time
+import inspect, itertools, json, sys, time
 import msgspec
 from bridge.producer.decode.decoder import BatchDecoder
 from bridge.producer.normalize.normalizer import KindBook, Normalizer, NormalizeStats, StreamIdentity
@@ -69,7 +69,6 @@ stats = NormalizeStats()
 keeper = ResidencyKeeper("bench")
 # The keeper takes the structs the encoder made (a tree whose encoder cannot
 # hand them over: their payloads, and the output says so).
-import inspect
 bodies = sys.argv[6] == "1" and "keep_body" in inspect.signature(encoder.group).parameters
 kept = {"keep_body": True} if bodies else {}
 

@@ -697,7 +697,7 @@ static PyObject *S_BLOCK_HASHES, *S_MEDIUM, *S_BLOCK_SIZE, *S_WINDOW, *S_PLACEHO
     *S_GPU, *S_CHAINS, *S_TOKENLESS, *S_STORED, *S_REMOVED, *S_UNKNOWN, *S_G_BLOCK_SIZE, *S_G_WINDOW,
     *S_REANNOUNCED, *S_NOTED, *S_REMOVE, *S_GROUP, *S_UNSORTED, *S_ADDED_COUNTS;
 
-/* An event's fields, in the order of `rank_tables.RUN_FIELDS`. */
+/* An event's fields, in the order of `rank_tables._RUN_FIELD_NAMES`. */
 enum { FD_HASHES, FD_MEDIUM, FD_BLOCK_SIZE, FD_WINDOW, FD_PLACEHOLDER, FD_PARENT, FD_TOKENS, FD_N };
 
 /* A field of an event, read through its class's member descriptor when
@@ -1078,6 +1078,19 @@ static int announced_again(Run *r, PyObject *ev, PyObject *chain, PyObject *stor
     return 0;
 }
 
+/* The index in `kinds` of an event's exact class; `n` when none. */
+static Py_ssize_t kind_of(PyTypeObject *const *kind_t, Py_ssize_t n, PyTypeObject *t) {
+    Py_ssize_t k = 0;
+    while (k < n && kind_t[k] != t) k++;
+    return k;
+}
+
+/* A kind's member descriptors, or NULL (read by name) when `fields` holds none for it. */
+static PyObject *run_descrs(PyObject *fields, Py_ssize_t kind) {
+    PyObject *d = PyTuple_GET_ITEM(fields, kind);
+    return PyTuple_Check(d) && PyTuple_GET_SIZE(d) == FD_N ? d : NULL;
+}
+
 /* The tables a run's lookups go to: the trusted layer of each tier of the
  * group, and of each other ruled group's GPU tier (the report-mode rule's).
  * Their cells are held for the run, so that one a take-back drops stays
@@ -1125,7 +1138,6 @@ static void ahead_release(Ahead *a) {
  * is read but the event's hash list. */
 static void ahead_fetch(const Ahead *a, PyObject *descrs, PyObject *ev) {
     if (!a->n) return;
-    if (!PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) != FD_N) descrs = NULL;
     PyObject *hashes = field(descrs, FD_HASHES, ev);
     if (hashes == NULL) {
         PyErr_Clear();
@@ -1203,18 +1215,15 @@ static PyObject *apply_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
         PyObject *ev = PyList_GET_ITEM(events, i);
         PyTypeObject *t = Py_TYPE(ev);
         PyObject *medium = NULL, *hashes = NULL;
-        Py_ssize_t kind = 0;
-        while (kind < nkinds && kind_t[kind] != t) kind++;
+        Py_ssize_t kind = kind_of(kind_t, nkinds, t);
         if (kind == nkinds) break; /* a class not named (a subclass, say): the index's own loop */
         if (i + 1 < n) {
             PyObject *next = PyList_GET_ITEM(events, i + 1);
-            Py_ssize_t nk = 0;
-            while (nk < nkinds && kind_t[nk] != Py_TYPE(next)) nk++;
-            if (nk < nkinds) ahead_fetch(&ahead, PyTuple_GET_ITEM(fields, nk), next);
+            Py_ssize_t nk = kind_of(kind_t, nkinds, Py_TYPE(next));
+            if (nk < nkinds) ahead_fetch(&ahead, run_descrs(fields, nk), next);
         }
         int is_removal = kind == 0;
-        PyObject *descrs = PyTuple_GET_ITEM(fields, kind);
-        if (!PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) != FD_N) descrs = NULL;
+        PyObject *descrs = run_descrs(fields, kind);
         medium = field(descrs, FD_MEDIUM, ev);
         hashes = field(descrs, FD_HASHES, ev);
         if (medium == NULL || hashes == NULL || !PyList_Check(hashes)) {

@@ -56,8 +56,6 @@ def run_fields(kinds: tuple[type, ...]) -> tuple[tuple[MemberDescriptorType | No
                        for name in _RUN_FIELD_NAMES) for kind in kinds)
 
 
-RUN_FIELDS = run_fields(RUN_KINDS)
-
 
 class _Held:
     """A rank as `prefix.match_view` reads it."""

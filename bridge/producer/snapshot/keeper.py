@@ -253,11 +253,14 @@ class ResidencyKeeper:
     def _entry(self, msg: Outgoing, ack: bytes | None) -> _Entry:
         headers = msg.headers
         payload = msg.payload
-        body = msg.body
-        if body is not None:
-            return (body, headers.get(HDR_MSG_ID, ""), _BODY, ack,
-                    BODY_BYTES_PER_PAYLOAD_BYTE * len(payload) + ENTRY_BYTES)
-        return payload, headers.get(HDR_MSG_ID, ""), self._decoder_of(headers), ack, len(payload) + ENTRY_BYTES
+        msg_id = headers.get(HDR_MSG_ID, "")
+        if msg.body is not None:
+            return msg.body, msg_id, _BODY, ack, BODY_BYTES_PER_PAYLOAD_BYTE * len(payload) + ENTRY_BYTES
+        return payload, msg_id, self._decoder_of(headers), ack, len(payload) + ENTRY_BYTES
+
+    def _body(self, item: Any, decoder: Any) -> Any:
+        """A logged message's body (`_read`'s None when its payload cannot be read)."""
+        return item if decoder is _BODY else self._read(decoder, item, None)
 
     def _decoder_of(self, headers: dict[str, str]) -> Any:
         """The decoder a message's headers call for; None for a format the keeper does not read."""
@@ -356,7 +359,7 @@ class ResidencyKeeper:
                     break
                 item, msg_id, decoder, ack, size = log_.popleft()
                 self.log_bytes -= size
-                body = item if decoder is _BODY else self._read(decoder, item, None)
+                body = self._body(item, decoder)
                 if body is not None:
                     if every and type(body) is not WorkerRecord and len(body.events) > every:
                         steps = self._apply_steps(body, msg_id, ack, every)
@@ -408,11 +411,11 @@ class ResidencyKeeper:
 
     def apply(self, msg: Outgoing, ack: bytes | None = None) -> None:
         """One of the bridge's own messages, applied now (not logged)."""
-        if msg.body is not None:
-            self.settle()
-            self._apply_body(msg.body, msg.headers.get(HDR_MSG_ID, ""), ack)
-        else:
-            self.apply_payload(msg.headers, msg.payload, ack)
+        item, msg_id, decoder, ack, _ = self._entry(msg, ack)
+        self.settle()
+        body = self._body(item, decoder)
+        if body is not None:
+            self._apply_body(body, msg_id, ack)
 
     def apply_payload(self, headers: dict[str, str], payload: bytes, ack: bytes | None = None, *,
                       origin: Origin | None = None) -> Refusal | None:
