@@ -132,7 +132,7 @@ class NatsSink:
         on_refused: Callable[[OutBatch], None] = _no_refusal_handler,
         on_reordered: Callable[[list[OutBatch]], None] = _no_reorder_handler,
         on_lost: Callable[[WrittenRun], None] = _no_loss_handler,
-        on_written: Callable[[list[Outgoing]], None] | None = None,
+        on_written: Callable[[list[Outgoing], int], None] | None = None,
         on_stored: Callable[[Outgoing, bytes], None] | None = None,
         fast_path: bool = True,
     ) -> None:
@@ -158,7 +158,8 @@ class NatsSink:
         self._unconfirmed = Unconfirmed()
         self.clients_replaced = 0
         # What consumers will see, for the bridge's own residency: in core mode
-        # each batch once written, in JetStream mode each message once stored.
+        # each batch once written (with the number of batches its write held),
+        # in JetStream mode each message once stored.
         self._on_written = on_written if not settings.jetstream else None
         self._on_stored = on_stored
         self._path = select_path(fast_path)
@@ -644,9 +645,10 @@ class NatsSink:
         now = time.time()
         vllm_batches = 0
         written = self._on_written
+        in_write = len(batches)
         for batch in batches:
             if written is not None:
-                written(batch.messages)
+                written(batch.messages, in_write)
             for msg in batch.messages:
                 family = msg.family
                 messages_out[family].value += 1

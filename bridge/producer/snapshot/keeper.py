@@ -209,8 +209,18 @@ class ResidencyKeeper:
 
     # -- what the sink hands over -----------------------------------------
 
-    def published(self, messages: list[Outgoing]) -> None:
-        """Messages written to NATS (core mode), in order."""
+    def published(self, messages: list[Outgoing], write_batches: int = 0) -> None:
+        """Messages written to NATS (core mode), in order; `write_batches`:
+        how many vLLM batches the write held (0: not known). A write of one
+        batch to a keeper with nothing waiting, while the relay has nothing
+        else in hand, is applied now, in one idle slice at most (none while
+        a snapshot is exported): the relay is idle until its next batch,
+        which `catch_up` looks for, and the batch's objects are applied
+        while they are in the CPU's caches. A write of several batches
+        means the relay fell behind: that one is left to `keep_up`, which
+        applies only in the relay's idle moments, and lets the log go when
+        it cannot keep up."""
+        idle_before = not self._log and self._partial is None
         append, entry = self._log.append, self._entry
         added = 0
         for msg in messages:
@@ -219,6 +229,8 @@ class ResidencyKeeper:
             added += logged[4]
         self.log_bytes += added
         self._logged(len(messages))
+        if write_batches == 1 and idle_before and not self.relay_busy():
+            self.catch_up(seconds=IDLE_SLICE_S, busy=self.relay_busy)
         self._relay_wrote()
 
     def stored(self, msg: Outgoing, ack: bytes) -> None:

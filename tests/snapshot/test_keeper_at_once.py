@@ -1,0 +1,190 @@
+"""A write of one batch, while the relay is idle, is applied at once.
+
+At a steady load the relay writes one batch at a time and is idle until the
+next: the keeper applies that batch right after the write instead of waking
+later for it. A write of several batches means the relay fell behind, a busy
+relay has work in hand, and a keeper that already has a log to apply (or a
+snapshot to export) is in the middle of its own work: in each case the
+write waits in the log for `keep_up`, which applies only in the relay's idle
+moments and lets the log go when it cannot keep up."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from bridge.apps.demo.wire_writer import encode_batch
+from bridge.apps.demo.wire_writer import stored as wire_stored
+from bridge.contract import GroupMessage
+from bridge.contract.msgid import stream_base
+from bridge.producer.sink.encode import MessageEncoder, Outgoing
+from bridge.producer.sink.subjects import SubjectBook
+from bridge.producer.snapshot.keeper import ResidencyKeeper
+from bridge.runtime.nats_server import NatsServerProcess
+from tests.busutil import make_settings, rank_publishers, running_bridge, wait_published, wait_until
+from tests.client.builders import hi, msg, removed, stored
+
+WORKER = "pod-at-once"
+EPOCH = 4
+
+
+class Relay:
+    """What the keeper asks of the relay: whether it has work in hand."""
+
+    def __init__(self) -> None:
+        self.busy = False
+
+    def __call__(self) -> bool:
+        return self.busy
+
+
+def _writes(n: int) -> list[list[Outgoing]]:
+    """`n` batches, each one group message, as the sink hands them over."""
+    encoder, subjects = MessageEncoder("msgpack"), SubjectBook("kv", WORKER, 0)
+    base = stream_base(WORKER, 0, EPOCH)
+    out = []
+    for seq in range(1, n + 1):
+        m: GroupMessage = msg([stored([hi(seq), hi(seq + 1000)]), removed([hi(seq - 1)])],
+                              worker=WORKER, epoch=EPOCH, seq=seq)
+        out.append([encoder.group(m, subjects, base, keep_body=seq % 2 == 0)])
+    return out
+
+
+def _keeper(relay: Relay) -> ResidencyKeeper:
+    return ResidencyKeeper(WORKER, ranks=(0,), relay_busy=relay)
+
+
+def _held(keeper: ResidencyKeeper) -> tuple[str, list[object]]:
+    snap = keeper.snapshot(0)
+    assert snap is not None
+    return snap.through, [(g.group, g.last_position, g.stored, g.removed, tier) for g in snap.groups for tier in g.tiers]
+
+
+def _applied_later(writes: list[list[Outgoing]]) -> ResidencyKeeper:
+    keeper = _keeper(Relay())
+    for messages in writes:
+        keeper.published(messages)
+    keeper.catch_up()
+    return keeper
+
+
+def test_one_batch_written_while_the_relay_is_idle_is_applied_at_once() -> None:
+    writes = _writes(6)
+    keeper = _keeper(Relay())
+    for messages in writes:
+        keeper.published(messages, 1)
+        assert keeper.pending == 0, "applied right after its write"
+    assert keeper.log_bytes == 0
+    later = _applied_later(writes)
+    assert keeper.applied == later.applied
+    assert _held(keeper) == _held(later)
+
+
+@pytest.mark.parametrize("batches", [0, 2, 5], ids=["not-known", "two", "five"])
+def test_a_write_of_several_batches_waits_for_the_idle_keeper(batches: int) -> None:
+    keeper = _keeper(Relay())
+    keeper.published(_writes(1)[0], batches)
+    assert keeper.pending == 1
+
+
+def test_a_write_while_the_relay_has_work_in_hand_waits() -> None:
+    relay = Relay()
+    keeper = _keeper(relay)
+    writes = _writes(3)
+    relay.busy = True
+    keeper.published(writes[0], 1)
+    assert keeper.pending == 1
+    relay.busy = False
+    # The log is the keeper's own work now: what follows it waits behind it.
+    keeper.published(writes[1], 1)
+    assert keeper.pending == 2
+    keeper.catch_up()
+    keeper.published(writes[2], 1)
+    assert keeper.pending == 0
+    assert _held(keeper) == _held(_applied_later(writes))
+
+
+def test_a_message_applied_in_part_keeps_the_next_write_waiting() -> None:
+    keeper = _keeper(Relay())
+    long = msg([stored([hi(i)]) for i in range(3 * keeper.step_events)], worker=WORKER, epoch=EPOCH, seq=1)
+    encoder, subjects = MessageEncoder("msgpack"), SubjectBook("kv", WORKER, 0)
+    base = stream_base(WORKER, 0, EPOCH)
+    keeper.published([encoder.group(long, subjects, base)])
+    keeper.catch_up(seconds=1e-9)
+    assert keeper.pending == 1  # in part
+    nxt = msg([removed([hi(0)])], worker=WORKER, epoch=EPOCH, seq=2)
+    keeper.published([encoder.group(nxt, subjects, base)], 1)
+    assert keeper.pending == 2
+
+
+@pytest.mark.anyio
+async def test_nothing_is_applied_at_once_while_a_snapshot_is_exported() -> None:
+    relay = Relay()
+    keeper = _keeper(relay)
+    writes = _writes(2)
+    keeper.published(writes[0], 1)
+    before = _held(keeper)
+    relay.busy = True  # the export waits for an idle moment of the relay
+    async with anyio.create_task_group() as tg:
+        taken: list[object] = []
+
+        async def export() -> None:
+            taken.append(await keeper.export(0))
+
+        tg.start_soon(export)
+        await anyio.sleep(0.01)
+        assert keeper.exporting
+        relay.busy = False
+        keeper.published(writes[1], 1)
+        assert keeper.pending == 1, "the export reads the residency: the write waits"
+    snap = taken[0]
+    assert snap is not None
+    assert (snap[0].through, [(g.group, g.last_position, g.stored, g.removed, tier)  # type: ignore[index]
+                              for g in snap[0].groups for tier in g.tiers]) == before  # type: ignore[index]
+    keeper.catch_up()
+    assert _held(keeper) == _held(_applied_later(writes))
+
+
+@pytest.mark.anyio
+async def test_the_bridge_hands_each_write_over_with_its_batch_count(nats_server: NatsServerProcess,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real bridge: batches that come one at a time are applied as each is
+    written; every hand-over names how many batches its write held."""
+    seen: list[tuple[int, int]] = []  # (write_batches, pending right after)
+    published = ResidencyKeeper.published
+
+    def spy(self: ResidencyKeeper, messages: list[Outgoing], write_batches: int = 0) -> None:
+        published(self, messages, write_batches)
+        seen.append((write_batches, self.pending))
+
+    monkeypatch.setattr(ResidencyKeeper, "published", spy)
+    port, rport, pubs = rank_publishers(1)
+    settings = make_settings(zmq_endpoint=[f"tcp://127.0.0.1:{port}"], replay_endpoint=[f"tcp://127.0.0.1:{rport}"],
+                             nats_url=[nats_server.url], worker_id=WORKER)
+    try:
+        async with running_bridge(settings) as bridge:
+            for i in range(8):
+                pubs[0].publish(encode_batch(time.time(), [wire_stored([bytes([i]) * 32], None, [], 16, group_idx=0,
+                                                                        kind="full_attention")], 0))
+                await wait_published(bridge, i + 1)
+                await anyio.sleep(0.02)
+            trickled = len(seen)
+            for i in range(8, 60):
+                pubs[0].publish(encode_batch(time.time(), [wire_stored([bytes([i]) * 32], None, [], 16, group_idx=0,
+                                                                        kind="full_attention")], 0))
+            await wait_published(bridge, 60)
+            assert bridge.keeper is not None
+            await wait_until(lambda: bridge.keeper is not None and not bridge.keeper.pending, 10, "the keeper")
+            assert bridge.keeper.applied[0] == 61  # the start record and 60 stores
+    finally:
+        pubs[0].close()
+    # One at a time: each write held one batch, applied before the next came.
+    assert seen[:trickled] == [(1, 0)] * trickled
+    # A write of k batches is k hand-overs in a row, each saying k.
+    i = 0
+    while i < len(seen):
+        k = seen[i][0]
+        assert k >= 1 and [w for w, _ in seen[i:i + k]] == [k] * k, seen
+        i += k
