@@ -52,7 +52,6 @@ tier (applied by a native loop where the package's C module was built).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import Literal, NamedTuple, Protocol, cast
 
@@ -101,12 +100,12 @@ class _Declared(NamedTuple):
 
 
 def _held_before(res: GroupResidency, group: int, chain: Sequence[BlockHash],
-                 added: Counter[tuple[int, BlockHash]]) -> Callable[[int], bool]:
+                 added: dict[tuple[int, BlockHash], int]) -> Callable[[int], bool]:
     """Whether the group holds chain[i] on the GPU tier, leaving out the copies
     stored at this batch position."""
     def held_at(i: int) -> bool:
         h = chain[i]
-        return res.held(GPU_MEDIUM, h) - added[(group, h)] > 0
+        return res.held(GPU_MEDIUM, h) - added.get((group, h), 0) > 0
     return held_at
 
 
@@ -122,8 +121,10 @@ class _Reannounced:
     def __init__(self, at: tuple[int, int, int]) -> None:
         self.at = at  # (epoch, seq, part)
         # GPU copies stored at this position, per (group, hash): counted only
-        # when a rule asks, since most positions never need them.
-        self._added: Counter[tuple[int, BlockHash]] = Counter()
+        # when a rule asks, since most positions never need them. A dict, not
+        # a Counter: one of these is made per batch position, and a Counter's
+        # constructor runs in Python.
+        self._added: dict[tuple[int, BlockHash], int] = {}
         self._unsorted: list[tuple[int, list[BlockHash]]] = []
         self.noted: set[int] = set()  # groups with copies stored at this position
         self.chains: set[tuple[BlockHash, ...]] = set()  # announced again, not stored
@@ -134,12 +135,14 @@ class _Reannounced:
         self.noted.add(group)
 
     @property
-    def added(self) -> Counter[tuple[int, BlockHash]]:
+    def added(self) -> dict[tuple[int, BlockHash], int]:
         if self._unsorted:
             added = self._added
+            get = added.get
             for group, stored in self._unsorted:
                 for h in stored:
-                    added[(group, h)] += 1
+                    key = (group, h)
+                    added[key] = get(key, 0) + 1
             self._unsorted.clear()
         return self._added
 
@@ -274,10 +277,11 @@ class ResidencyIndex:
     def _current(self, worker: str, dp_rank: int, epoch: int) -> WorkerView | None:
         """The view for a message of `epoch`, reset when the epoch is newer
         (a new vLLM process whose records we did not see); None when older."""
-        key = WorkerKey(worker, dp_rank)
-        view = self.views.get(key)
+        # A WorkerKey is a tuple: a plain one finds the same entry, and costs
+        # less to make than the named one, once per message.
+        view = self.views.get((worker, dp_rank))  # type: ignore[call-overload]
         if view is None:
-            view = self._new_view(key, epoch)
+            view = self._new_view(WorkerKey(worker, dp_rank), epoch)
         elif view.epoch == 0:
             view.epoch = epoch
         elif epoch < view.epoch:
