@@ -1,7 +1,7 @@
 """Which tests start another process, read from their code at collection.
 
 A test is process-level when its function, one of its fixtures, or anything
-of `tests` or `bridge` they call (functions, classes' methods, followed
+of `tests`, `bridge` or `bench` they call (functions, classes' methods, followed
 through module globals) names a way to start a process: the `subprocess`,
 `multiprocessing` or `asyncio.subprocess` modules, or `Popen`,
 `open_process`, `run_process`, `create_subprocess_exec`/`_shell`. That covers
@@ -24,7 +24,7 @@ from typing import Any
 _STARTER_MODULES = frozenset({"subprocess", "multiprocessing", "asyncio.subprocess"})
 _STARTER_NAMES = frozenset({"Popen", "open_process", "run_process", "create_subprocess_exec",
                             "create_subprocess_shell"})
-_FOLLOWED = ("tests", "bridge")
+_FOLLOWED = ("tests", "bridge", "bench")
 VLLM_DIRS = frozenset({"plugin", "engine", "compat"})
 # What every way of running a nats-server goes through.
 NATS_SERVER = frozenset({"find_nats_server"})

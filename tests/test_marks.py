@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tests.conftest as conftest
-from tests import test_config, test_service_process
+from tests import test_bench_children, test_config, test_service_process
 from tests.conftest import FAST_EXAMPLES, _cap_examples
 from tests.marks import ProcessReader
 
@@ -29,6 +29,8 @@ def test_the_reader_follows_helpers_to_the_process_they_start() -> None:
     # a test that starts `kv-bridge run` through subprocess, and one that reaches it through a fixture
     assert reader.starts(test_service_process.test_invalid_configuration_names_the_option)
     assert reader.starts(test_service_process.test_readyz_waits_for_nats_and_healthz_does_not)
+    # a test that starts a process through the benchmark's own helper (bench.run.Child)
+    assert reader.starts(test_bench_children.test_a_child_leads_a_session_of_its_own)
     # a test of pure configuration parsing
     assert not reader.starts(test_config.test_flag_wins_over_environment_and_env_lists_split_on_commas)
 
