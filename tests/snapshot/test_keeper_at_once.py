@@ -19,25 +19,18 @@ from bridge.apps.demo.wire_writer import encode_batch
 from bridge.apps.demo.wire_writer import stored as wire_stored
 from bridge.contract import GroupMessage
 from bridge.contract.msgid import stream_base
+from bridge.contract.snapshot import RankSnapshot
 from bridge.producer.sink.encode import MessageEncoder, Outgoing
 from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import make_settings, rank_publishers, running_bridge, wait_published, wait_until
 from tests.client.builders import hi, msg, removed, stored
+from tests.snapshot.test_keeper_yields import Relay
+from tests.snapshot.views import snapshot_state
 
 WORKER = "pod-at-once"
 EPOCH = 4
-
-
-class Relay:
-    """What the keeper asks of the relay: whether it has work in hand."""
-
-    def __init__(self) -> None:
-        self.busy = False
-
-    def __call__(self) -> bool:
-        return self.busy
 
 
 def _writes(n: int) -> list[list[Outgoing]]:
@@ -59,11 +52,11 @@ def _keeper(relay: Relay) -> ResidencyKeeper:
 def _held(keeper: ResidencyKeeper) -> tuple[str, list[object]]:
     snap = keeper.snapshot(0)
     assert snap is not None
-    return snap.through, [(g.group, g.last_position, g.stored, g.removed, tier) for g in snap.groups for tier in g.tiers]
+    return snapshot_state(snap)
 
 
 def _applied_later(writes: list[list[Outgoing]]) -> ResidencyKeeper:
-    keeper = _keeper(Relay())
+    keeper = _keeper(Relay(busy=False))
     for messages in writes:
         keeper.published(messages)
     keeper.catch_up()
@@ -72,7 +65,7 @@ def _applied_later(writes: list[list[Outgoing]]) -> ResidencyKeeper:
 
 def test_one_batch_written_while_the_relay_is_idle_is_applied_at_once() -> None:
     writes = _writes(6)
-    keeper = _keeper(Relay())
+    keeper = _keeper(Relay(busy=False))
     for messages in writes:
         keeper.published(messages, 1)
         assert keeper.pending == 0, "applied right after its write"
@@ -84,13 +77,13 @@ def test_one_batch_written_while_the_relay_is_idle_is_applied_at_once() -> None:
 
 @pytest.mark.parametrize("batches", [0, 2, 5], ids=["not-known", "two", "five"])
 def test_a_write_of_several_batches_waits_for_the_idle_keeper(batches: int) -> None:
-    keeper = _keeper(Relay())
+    keeper = _keeper(Relay(busy=False))
     keeper.published(_writes(1)[0], batches)
     assert keeper.pending == 1
 
 
 def test_a_write_while_the_relay_has_work_in_hand_waits() -> None:
-    relay = Relay()
+    relay = Relay(busy=False)
     keeper = _keeper(relay)
     writes = _writes(3)
     relay.busy = True
@@ -107,7 +100,7 @@ def test_a_write_while_the_relay_has_work_in_hand_waits() -> None:
 
 
 def test_a_message_applied_in_part_keeps_the_next_write_waiting() -> None:
-    keeper = _keeper(Relay())
+    keeper = _keeper(Relay(busy=False))
     long = msg([stored([hi(i)]) for i in range(3 * keeper.step_events)], worker=WORKER, epoch=EPOCH, seq=1)
     encoder, subjects = MessageEncoder("msgpack"), SubjectBook("kv", WORKER, 0)
     base = stream_base(WORKER, 0, EPOCH)
@@ -121,14 +114,14 @@ def test_a_message_applied_in_part_keeps_the_next_write_waiting() -> None:
 
 @pytest.mark.anyio
 async def test_nothing_is_applied_at_once_while_a_snapshot_is_exported() -> None:
-    relay = Relay()
+    relay = Relay(busy=False)
     keeper = _keeper(relay)
     writes = _writes(2)
     keeper.published(writes[0], 1)
     before = _held(keeper)
     relay.busy = True  # the export waits for an idle moment of the relay
     async with anyio.create_task_group() as tg:
-        taken: list[object] = []
+        taken: list[tuple[RankSnapshot, bytes] | None] = []
 
         async def export() -> None:
             taken.append(await keeper.export(0))
@@ -139,12 +132,17 @@ async def test_nothing_is_applied_at_once_while_a_snapshot_is_exported() -> None
         relay.busy = False
         keeper.published(writes[1], 1)
         assert keeper.pending == 1, "the export reads the residency: the write waits"
-    snap = taken[0]
-    assert snap is not None
-    assert (snap[0].through, [(g.group, g.last_position, g.stored, g.removed, tier)  # type: ignore[index]
-                              for g in snap[0].groups for tier in g.tiers]) == before  # type: ignore[index]
+    exported = taken[0]
+    assert exported is not None
+    assert snapshot_state(exported[0]) == before
     keeper.catch_up()
     assert _held(keeper) == _held(_applied_later(writes))
+
+
+def _one_store(i: int) -> bytes:
+    """A vLLM batch of one attention store, hash `i`."""
+    return encode_batch(time.time(), [wire_stored([bytes([i]) * 32], None, [], 16, group_idx=0,
+                                                  kind="full_attention")], 0)
 
 
 @pytest.mark.anyio
@@ -166,14 +164,12 @@ async def test_the_bridge_hands_each_write_over_with_its_batch_count(nats_server
     try:
         async with running_bridge(settings) as bridge:
             for i in range(8):
-                pubs[0].publish(encode_batch(time.time(), [wire_stored([bytes([i]) * 32], None, [], 16, group_idx=0,
-                                                                        kind="full_attention")], 0))
+                pubs[0].publish(_one_store(i))
                 await wait_published(bridge, i + 1)
                 await anyio.sleep(0.02)
             trickled = len(seen)
             for i in range(8, 60):
-                pubs[0].publish(encode_batch(time.time(), [wire_stored([bytes([i]) * 32], None, [], 16, group_idx=0,
-                                                                        kind="full_attention")], 0))
+                pubs[0].publish(_one_store(i))
             await wait_published(bridge, 60)
             assert bridge.keeper is not None
             await wait_until(lambda: bridge.keeper is not None and not bridge.keeper.pending, 10, "the keeper")

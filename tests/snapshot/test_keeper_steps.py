@@ -16,6 +16,7 @@ from bridge.producer.sink.subjects import SubjectBook
 from bridge.producer.snapshot.keeper import NATIVE_STEP_EVENTS, STEP_EVENTS, ResidencyKeeper
 from bridge.residency.cells import NATIVE_CELL, Cell, CellLike, PyCell
 from tests.client.builders import hi, msg, removed, stored
+from tests.snapshot.views import snapshot_state
 
 WORKER = "pod-steps"
 EPOCH = 3
@@ -40,7 +41,7 @@ def _keeper(messages: list[GroupMessage], cell: type[CellLike] = Cell) -> Reside
 def _held(keeper: ResidencyKeeper) -> tuple[str, list[object]]:
     snap = keeper.snapshot(0)
     assert snap is not None
-    return snap.through, [(g.group, g.last_position, g.stored, g.removed, tier) for g in snap.groups for tier in g.tiers]
+    return snapshot_state(snap)
 
 
 @pytest.mark.parametrize("cell", [Cell, PyCell], ids=["native-or-fallback", "python"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bridge.contract.snapshot import RankSnapshot
 from bridge.residency import ResidencyIndex, WorkerView
 
 
@@ -24,3 +25,9 @@ def view_state(view: WorkerView) -> dict[str, Any]:
 
 def index_state(index: ResidencyIndex) -> dict[tuple[str, int], dict[str, Any]]:
     return {(v.key.worker, v.key.dp_rank): view_state(v) for v in index}
+
+
+def snapshot_state(snap: RankSnapshot) -> tuple[str, list[Any]]:
+    """A rank snapshot's last message, and per group its position, counts
+    and every tier, to compare two keepers' residencies."""
+    return snap.through, [(g.group, g.last_position, g.stored, g.removed, tier) for g in snap.groups for tier in g.tiers]
