@@ -3,7 +3,8 @@
  *
  * Why native: the snapshot keeper holds every hash its worker's blocks have,
  * hundreds of thousands of them, and a Python dict entry with its bytes key
- * costs about 150 bytes; here an entry is 24 bytes and its key's bytes.
+ * costs about 150 bytes; here an entry is 16 bytes, its key's bytes and an
+ * index slot of 8 bytes (at most two thirds of the slots are in use).
  * The semantics are a Python dict's, so that a snapshot lists hashes in the
  * same order with or without this module: a key that goes and comes back
  * goes to the end; a key whose count changes keeps its place.
@@ -24,18 +25,29 @@ enum { L_TRUSTED = 0, L_SUSPECT = 1, L_PLACEHOLDER = 2 };
 /* The event classes apply_run reads: a removal's and up to seven stores'. */
 #define MAX_KINDS 8
 
+/* Entries and key bytes grow by a quarter of what they hold (and a little):
+ * the keeper's tables are most of its memory, and a realloc of a large
+ * block costs less than the half that a faster growth leaves unused. */
+#define GROW_BY 4
+
 #define KIND_SHIFT 30
 #define LEN_MASK ((1u << KIND_SHIFT) - 1)
 /* An index slot: the entry's position in the low 32 bits, the top 32 bits
- * of its key's hash above them, so that a probe skips other keys without
- * reading their entries (a cache miss each in a large table). */
+ * of its key's hash (its tag) above them, so that a probe skips other keys
+ * without reading their entries (a cache miss each in a large table). A
+ * key's first slot comes from its tag too (an index has at most 2**32
+ * slots), so that a rebuild places every slot again from the slot alone:
+ * entries keep no hash, and no key is read or hashed again. */
 #define EMPTY UINT64_MAX
 #define SLOT(fp, at) (((fp) & 0xFFFFFFFF00000000ULL) | (uint64_t)(uint32_t)(at))
 #define SLOT_AT(s) ((Py_ssize_t)(uint32_t)(s))
 #define SLOT_TAG_IS(s, fp) ((((s) ^ (fp)) >> 32) == 0)
+#define HOME(fp, mask) ((size_t)((fp) >> 32) & (mask))
 
+/* 16 bytes: the key's hash is not kept (its index slot holds what a probe
+ * and a rebuild need of it), since the snapshot keeper holds hundreds of
+ * thousands of entries. */
 typedef struct {
-    uint64_t fp;    /* keyed hash of the key */
     uint64_t key;   /* an int key's value, or a byte key's offset in the arena */
     uint32_t meta;  /* kind << KIND_SHIFT | byte length */
     uint32_t count; /* copies; 0: an entry removed (kept until compaction) */
@@ -178,9 +190,16 @@ static int key_of(PyObject *o, Key *k) {
 }
 
 static inline int entry_is(const OMap *m, const Entry *e, const Key *k) {
-    if (e->fp != k->fp || (int)(e->meta >> KIND_SHIFT) != k->kind) return 0;
+    if ((int)(e->meta >> KIND_SHIFT) != k->kind) return 0;
     if (k->kind == K_INT || k->kind == K_UINT) return e->key == k->v;
     return (Py_ssize_t)(e->meta & LEN_MASK) == k->len && memcmp(m->arena + e->key, k->p, (size_t)k->len) == 0;
+}
+
+/* An entry's keyed hash, as key_of gave it. */
+static inline uint64_t entry_fp(const OMap *m, const Entry *e) {
+    int kind = (int)(e->meta >> KIND_SHIFT);
+    if (kind == K_INT || kind == K_UINT) return hash_int(e->key, kind);
+    return hash_bytes(m->arena + e->key, (Py_ssize_t)(e->meta & LEN_MASK), kind);
 }
 
 static PyObject *key_object(const OMap *m, const Entry *e) {
@@ -206,7 +225,7 @@ static void omap_free(OMap *m) {
 /* The entry holding `k` (a live one), or -1. */
 static Py_ssize_t omap_find(const OMap *m, const Key *k) {
     if (!m->live) return -1;
-    size_t mask = (size_t)m->ixcap - 1, i = (size_t)k->fp & mask;
+    size_t mask = (size_t)m->ixcap - 1, i = HOME(k->fp, mask);
     for (;;) {
         uint64_t s = m->ix[i];
         if (s == EMPTY) return -1;
@@ -219,23 +238,36 @@ static Py_ssize_t omap_find(const OMap *m, const Key *k) {
     }
 }
 
-/* Rebuilds the index for `want` entries, dropping removed entries and their bytes. */
+/* Rebuilds the index for `want` entries, dropping removed entries and their
+ * bytes. Each slot of the old index goes to the new one as it is, at the
+ * position its entry took (every entry has one slot, removed ones too). */
 static int omap_rebuild(OMap *m, Py_ssize_t want) {
     Py_ssize_t ixcap = 8;
     while (ixcap * 2 < (want + 1) * 3) ixcap *= 2;
     uint64_t *ix = PyMem_Malloc((size_t)ixcap * sizeof(uint64_t));
+    int32_t *moved = NULL; /* an entry's old position -> its new one; -1: dropped */
+    if (ix != NULL && m->live < m->n) {
+        moved = PyMem_Malloc((size_t)m->n * sizeof(int32_t));
+        if (moved == NULL) {
+            PyMem_Free(ix);
+            ix = NULL;
+        }
+    }
     if (ix == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     memset(ix, 0xff, (size_t)ixcap * sizeof(uint64_t));
-    if (m->live < m->n) {
+    if (moved != NULL) {
         /* compact the entries, and the arena behind them, in place */
         Py_ssize_t w = 0;
         size_t alen = 0;
         for (Py_ssize_t r = 0; r < m->n; r++) {
             Entry e = m->e[r];
-            if (!e.count) continue;
+            if (!e.count) {
+                moved[r] = -1;
+                continue;
+            }
             int kind = (int)(e.meta >> KIND_SHIFT);
             if (kind == K_BYTES || kind == K_BIG) {
                 size_t len = e.meta & LEN_MASK;
@@ -243,13 +275,14 @@ static int omap_rebuild(OMap *m, Py_ssize_t want) {
                 e.key = alen;
                 alen += len;
             }
+            moved[r] = (int32_t)w;
             m->e[w++] = e;
         }
         m->n = w;
         m->alen = alen;
         /* a map that shrank gives back what it no longer needs */
         if (m->cap > 2 * w + 16) {
-            Py_ssize_t cap = w + w / 2 + 8;
+            Py_ssize_t cap = w + w / GROW_BY + 8;
             Entry *e = PyMem_Realloc(m->e, (size_t)cap * sizeof(Entry));
             if (e != NULL) {
                 m->e = e;
@@ -257,7 +290,7 @@ static int omap_rebuild(OMap *m, Py_ssize_t want) {
             }
         }
         if (m->acap > 2 * alen + 256) {
-            size_t cap = alen + alen / 2 + 256;
+            size_t cap = alen + alen / GROW_BY + 256;
             char *a = PyMem_Realloc(m->arena, cap);
             if (a != NULL) {
                 m->arena = a;
@@ -266,15 +299,26 @@ static int omap_rebuild(OMap *m, Py_ssize_t want) {
         }
     }
     size_t mask = (size_t)ixcap - 1;
-    for (Py_ssize_t r = 0; r < m->n; r++) {
-        size_t i = (size_t)m->e[r].fp & mask;
+    for (Py_ssize_t j = 0; j < m->ixcap; j++) {
+        uint64_t slot = m->ix[j];
+        if (slot == EMPTY) continue;
+        Py_ssize_t at = SLOT_AT(slot);
+        if (moved != NULL && (at = moved[at]) < 0) continue;
+        size_t i = HOME(slot, mask);
         while (ix[i] != EMPTY) i = (i + 1) & mask;
-        ix[i] = SLOT(m->e[r].fp, r);
+        ix[i] = SLOT(slot, at);
     }
+    PyMem_Free(moved);
     PyMem_Free(m->ix);
     m->ix = ix;
     m->ixcap = ixcap;
     return 0;
+}
+
+/* Removed entries are a quarter of the live ones: a rebuild drops them (in
+ * a map that only loses entries too, such as a window's evictions). */
+static inline int too_many_removed(const OMap *m) {
+    return m->n - m->live > (m->live >> 2) + 16;
 }
 
 /* `n` copies more of `k`, a new entry at the end when it has none. */
@@ -285,8 +329,7 @@ static int omap_add(OMap *m, const Key *k, uint32_t n) {
         m->e[at].count = c > UINT32_MAX - n ? UINT32_MAX : c + n;
         return 0;
     }
-    if (m->n - m->live > (m->live >> 2) + 16) {
-        /* removed entries are a quarter of the live ones: drop them */
+    if (too_many_removed(m)) {
         if (omap_rebuild(m, m->live + 1) < 0) return -1;
     } else if ((m->n + 1) * 3 > m->ixcap * 2) {
         if (omap_rebuild(m, m->n + 1) < 0) return -1;
@@ -296,7 +339,7 @@ static int omap_add(OMap *m, const Key *k, uint32_t n) {
         return -1;
     }
     if (m->n == m->cap) {
-        Py_ssize_t cap = m->cap ? m->cap + m->cap / 2 : 8;
+        Py_ssize_t cap = m->cap + m->cap / GROW_BY + 8;
         Entry *e = PyMem_Realloc(m->e, (size_t)cap * sizeof(Entry));
         if (e == NULL) {
             PyErr_NoMemory();
@@ -306,7 +349,6 @@ static int omap_add(OMap *m, const Key *k, uint32_t n) {
         m->cap = cap;
     }
     Entry *e = &m->e[m->n];
-    e->fp = k->fp;
     e->meta = ((uint32_t)k->kind << KIND_SHIFT);
     e->count = n;
     if (k->kind == K_INT || k->kind == K_UINT) {
@@ -315,7 +357,7 @@ static int omap_add(OMap *m, const Key *k, uint32_t n) {
         size_t need = m->alen + (size_t)k->len;
         if (need > m->acap) {
             size_t cap = m->acap ? m->acap : 256;
-            while (cap < need) cap += cap / 2;
+            while (cap < need) cap += cap / GROW_BY;
             char *a = PyMem_Realloc(m->arena, cap);
             if (a == NULL) {
                 PyErr_NoMemory();
@@ -329,7 +371,7 @@ static int omap_add(OMap *m, const Key *k, uint32_t n) {
         e->meta |= (uint32_t)k->len;
         m->alen = need;
     }
-    size_t mask = (size_t)m->ixcap - 1, i = (size_t)k->fp & mask;
+    size_t mask = (size_t)m->ixcap - 1, i = HOME(k->fp, mask);
     while (m->ix[i] != EMPTY) i = (i + 1) & mask;
     m->ix[i] = SLOT(k->fp, m->n);
     m->n++;
@@ -353,6 +395,9 @@ static int omap_take(OMap *m, const Key *k) {
             m->n = 0;
             m->alen = 0;
             memset(m->ix, 0xff, (size_t)m->ixcap * sizeof(uint64_t));
+        } else if (too_many_removed(m) && omap_rebuild(m, m->live + 1) < 0) {
+            /* a map that could not be compacted stays as it is, and correct */
+            PyErr_Clear();
         }
     }
     return 1;
@@ -435,7 +480,7 @@ static PyObject *Cell_remove(Cell *self, PyObject *hashes) {
 static Key entry_key(const OMap *m, const Entry *e) {
     Key k;
     k.kind = (int)(e->meta >> KIND_SHIFT);
-    k.fp = e->fp;
+    k.fp = entry_fp(m, e);
     k.tmp = NULL;
     if (k.kind == K_INT || k.kind == K_UINT) {
         k.v = e->key;
@@ -1151,7 +1196,7 @@ static void ahead_fetch(const Ahead *a, PyObject *descrs, PyObject *ev) {
             uint64_t fp = hash_bytes(PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h), K_BYTES);
             for (int j = 0; j < a->n; j++) {
                 const OMap *m = &((Cell *)a->cells[j])->layer[L_TRUSTED];
-                if (m->live) __builtin_prefetch(&m->ix[(size_t)fp & ((size_t)m->ixcap - 1)]);
+                if (m->live) __builtin_prefetch(&m->ix[HOME(fp, (size_t)m->ixcap - 1)]);
             }
         }
     }

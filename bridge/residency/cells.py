@@ -3,10 +3,10 @@
 `Cell` is the native one (`_cells.c`) when the package was built with it,
 else `PyCell`, plain dicts; both keep hashes in the order they came, as a
 dict does, so that a snapshot lists the same thing either way. The native
-cell keeps each hash as its bytes (or an int's value), 24 bytes an entry
-besides them, where a dict keeps a Python bytes object and its entry: the
-snapshot keeper holds every hash of its worker's caches, and that is most of
-its memory.
+cell keeps each hash as its bytes (or an int's value), with 16 bytes an
+entry and an index slot besides them, where a dict keeps a Python bytes
+object and its entry: the snapshot keeper holds every hash of its worker's
+caches, and that is most of its memory.
 
 A layer is one of `TRUSTED`, `SUSPECT`, `PLACEHOLDER`. Readers that walk a
 layer (`chunk`, `suspect_only`) go by position: the cell must not change

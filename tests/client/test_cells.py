@@ -6,6 +6,7 @@ silently keep twice the memory)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -94,6 +95,41 @@ def test_a_tier_that_churns_keeps_its_order_and_gives_back_memory() -> None:
     assert keys[0] == (19_001).to_bytes(32, "big") and keys[-1] == (4).to_bytes(32, "big")
     assert copies[-2:] == [2, 1]  # 19,999 kept its place
     assert native.__sizeof__() < full / 4
+
+
+@pytest.mark.skipif(NATIVE is None, reason="built without the native module")
+def test_a_tier_that_only_loses_hashes_gives_back_memory_as_it_goes() -> None:
+    """A window's evictions, or a worker draining its cache: removals with
+    no store after them still drop the removed entries, and what stays
+    reads the same as in a dict at every step."""
+    assert NATIVE is not None
+    native, python = NATIVE(), PyCell()
+    hashes = [i.to_bytes(32, "big") for i in range(20_000)]
+    for c in (native, python):
+        c.store(hashes, False)
+    full = native.__sizeof__()
+    for start in range(0, 19_000, 1_000):
+        part = hashes[start:start + 1_000]
+        assert native.remove(part) == python.remove(part) == 1_000
+        assert _state(native, 500) == _state(python, 500)
+    assert native.__sizeof__() < full / 4
+
+
+@pytest.mark.skipif(NATIVE is None, reason="built without the native module")
+# Per hash at most: its key (none for an int: it is the entry's), a 16-byte
+# entry and a quarter of that room for growth, and an 8-byte index slot of
+# which a third is in use just after the index doubled.
+@pytest.mark.parametrize(("key", "most"), [(lambda i: i.to_bytes(32, "big"), 85), (lambda i: i, 45)],
+                         ids=["32-byte", "int"])
+def test_a_resident_hash_costs_the_native_tier_a_few_dozen_bytes(key: Callable[[int], BlockHash], most: int) -> None:
+    """What the snapshot keeper's memory is made of, whatever the number of
+    hashes a tier holds."""
+    assert NATIVE is not None
+    for n in (60_000, 100_000, 130_000):
+        c = NATIVE()
+        c.store([key(i) for i in range(n)], False)
+        assert c.counts() == (n, 0, 0)
+        assert c.__sizeof__() / n <= most, n
 
 
 @pytest.mark.skipif(NATIVE is None, reason="built without the native module")
