@@ -5,7 +5,8 @@ either: decode (`BatchDecoder`, msgpack relay), normalize (`Normalizer`) and
 encode each group message (`MessageEncoder`), and with `--keep` what the
 snapshot keeper then does with them (`ResidencyKeeper`: log each message and
 apply it to the rank's residency: from its payload, as in a burst, or with
-`--bodies` from the struct the encoder made, as while the relay keeps up),
+`--bodies` from the struct the encoder made, each batch's write applied at
+once, as while the relay keeps up),
 over the benchmark's traffic
 (bench/traffic.py) in map form and in array form. Each (tree, encoding) runs
 in its own process, so a tree's own `bridge` package is the one imported.
@@ -71,6 +72,11 @@ keeper = ResidencyKeeper("bench")
 # hand them over: their payloads, and the output says so).
 bodies = sys.argv[6] == "1" and "keep_body" in inspect.signature(encoder.group).parameters
 kept = {"keep_body": True} if bodies else {}
+# With structs, each batch is a write of one batch to an idle relay, which
+# the keeper applies at once (a tree whose keeper is not told how many
+# batches a write held: logged, then applied by the catch-up).
+at_once = bodies and "write_batches" in inspect.signature(keeper.published).parameters
+writes = applied_at_once = 0
 
 # Each round's batches come after the last round's, as a publisher cycling
 # its traffic sends them: a keeper takes a seq it applied already for a
@@ -78,6 +84,7 @@ kept = {"keep_body": True} if bodies else {}
 seqs = itertools.count()
 
 def one_round():
+    global writes, applied_at_once
     for payload, seq in zip(payloads, seqs):
         batch = decoder.decode(payload)
         if upto == 1:
@@ -87,7 +94,12 @@ def one_round():
             if upto >= 3 and hasattr(item, "events"):
                 out.append(encoder.group(item, subjects, "bench:0:1", **kept))
         if upto == 4:
-            keeper.published(out)
+            if at_once:
+                keeper.published(out, 1)
+                applied_at_once += not keeper.pending
+            else:
+                keeper.published(out)
+            writes += 1
             keeper.catch_up()
         stats.dropped.clear()
         stats.transformed.clear()
@@ -98,7 +110,8 @@ for _ in range(repeats):
     for _ in range(rounds):
         one_round()
     times.append(time.perf_counter() - start)
-print(json.dumps({"events": events * rounds, "times": times, "bodies": bodies}))
+print(json.dumps({"events": events * rounds, "times": times, "bodies": bodies, "writes": writes,
+                  "applied_at_once": applied_at_once}))
 """
 
 
@@ -187,17 +200,20 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {f"{t}-{e}": [] for t, e in cells}
         events: dict[str, int] = {}
         bodies: dict[str, bool] = {}
+        at_once: dict[str, tuple[int, int]] = {}  # (writes applied at once, writes), the last repeat's
         for _ in range(repeats):  # interleaved: a noisy neighbour hurts every cell alike
             for t, e in cells:
                 out, _ = run_child(trees[t], traffic[e], args.size, rounds, 1, upto=len(stages), bodies=args.bodies)
                 times[f"{t}-{e}"].extend(out["times"])
                 events[f"{t}-{e}"] = out["events"]
                 bodies[f"{t}-{e}"] = bool(out.get("bodies"))
+                at_once[f"{t}-{e}"] = (int(out.get("applied_at_once", 0)), int(out.get("writes", 0)))
         result: dict[str, Any] = {"size": args.size, "rounds": rounds, "repeats": repeats, "stages": list(stages),
                               "cells": {}}
         for name in times:
             ns = statistics.median(times[name]) / events[name] * 1e9
-            result["cells"][name] = {"ns_per_event": round(ns, 1), "bodies": bodies[name], "ns_each": [
+            result["cells"][name] = {"ns_per_event": round(ns, 1), "bodies": bodies[name],
+                                     "applied_at_once": at_once[name][0], "writes": at_once[name][1], "ns_each": [
                 round(x / events[name] * 1e9, 1) for x in times[name]]}
             if callgrind:
                 t, e = name.split("-")
@@ -221,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{'-' if ir is None else ir:>9} {'-' if ir_ratio is None else format(ir_ratio, '.3f'):>7}")
     print("(x map: the map-form cell of the reference tree, else of this one, over this cell; above 1 is faster)")
     if args.bodies:
-        print("keeper fed structs: " + ", ".join(f"{name} {'yes' if cell['bodies'] else 'no (payloads)'}"
-                                                 for name, cell in result["cells"].items()))
+        print("keeper fed structs: " + ", ".join(
+            f"{name} {'yes' if cell['bodies'] else 'no (payloads)'}, "
+            f"{cell['applied_at_once']} of {cell['writes']} writes applied whole at once"
+            for name, cell in result["cells"].items()))
     if base.get("ir_by_stage"):
         print_stages(result["cells"], base["ir_by_stage"], stages)
     out_path = Path(args.out) if args.out else RESULTS / "hotpath.json"

@@ -89,14 +89,18 @@ def test_hot_path_benchmark_measures_both_encodings(tmp_path: Path) -> None:
 
 def test_hot_path_keeper_takes_the_encoders_structs_with_bodies(tmp_path: Path) -> None:
     """`--keep --bodies`: the keeper's stage as while the relay keeps up, the
-    structs handed over, not their payloads; the output says it was so."""
+    structs handed over, not their payloads, and each batch's write applied
+    at once, as the sink hands it over; the output says it was so."""
     out = tmp_path / "hotpath.json"
     proc = subprocess.run([sys.executable, "-m", "bench.hotpath", "--smoke", "--keep", "--bodies", "--map-only",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+                           "--size", "64", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     cells = json.loads(out.read_text())["cells"]
     assert set(cells) == {"this-map"} and cells["this-map"]["bodies"] is True
-    assert "keeper fed structs: this-map yes" in proc.stdout
+    cell = cells["this-map"]
+    assert 0 < cell["applied_at_once"] <= cell["writes"]
+    assert f"keeper fed structs: this-map yes, {cell['applied_at_once']} of {cell['writes']} writes" in proc.stdout
 
 
 def test_bridges_side_by_side_at_a_fixed_load() -> None:
