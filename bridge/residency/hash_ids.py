@@ -72,10 +72,13 @@ class HashIds:
             return ids  # type: ignore[return-value]
         where = list(compress(count(), map(is_, ids, repeat(None))))
         missing = list(map(hashes.__getitem__, where))
-        if len(set(missing)) != len(missing):  # a hash twice in one store: one at a time
+        distinct = dict.fromkeys(missing)
+        if len(distinct) != len(missing):
+            # A hash twice in one store (a snapshot's tier lists a hash once
+            # per copy): one new id for each, in the order they first came.
+            named = dict(zip(distinct, self._new_ids(list(distinct))))
             for j in where:
-                i = get(hashes[j])
-                ids[j] = i if i is not None else self._new_ids([hashes[j]])[0]
+                ids[j] = named[hashes[j]]
             return ids  # type: ignore[return-value]
         for j, i in zip(where, self._new_ids(missing)):
             ids[j] = i
