@@ -1,9 +1,11 @@
-"""A write of one batch, while the relay is idle, is applied at once.
+"""A write of one batch, while the relay is idle, is applied at once; so is a
+message the stream stored (JetStream mode) when its ack comes back.
 
 At a steady load the relay writes one batch at a time and is idle until the
-next: the keeper applies that batch right after the write instead of waking
-later for it. A write of several batches means the relay fell behind, a busy
-relay has work in hand, and a keeper that already has a log to apply (or a
+next: the keeper applies that batch right after the write (in JetStream
+mode, each message as its ack hands it over) instead of waking later for
+it. A write of several batches means the relay fell behind, a busy relay
+has work in hand, and a keeper that already has a log to apply (or a
 snapshot to export) is in the middle of its own work: in each case the
 write waits in the log for `keep_up`, which applies only in the relay's idle
 moments and lets the log go when it cannot keep up."""
@@ -26,6 +28,7 @@ from bridge.producer.snapshot.keeper import ResidencyKeeper
 from bridge.runtime.nats_server import NatsServerProcess
 from tests.busutil import make_settings, rank_publishers, running_bridge, wait_published, wait_until
 from tests.client.builders import hi, msg, removed, stored
+from tests.snapshot.sim import Stream
 from tests.snapshot.test_keeper_yields import Relay
 from tests.snapshot.views import snapshot_state
 
@@ -184,3 +187,62 @@ async def test_the_bridge_hands_each_write_over_with_its_batch_count(nats_server
         k = seen[i][0]
         assert k >= 1 and [w for w, _ in seen[i:i + k]] == [k] * k, seen
         i += k
+
+
+def test_a_message_stored_while_the_relay_is_idle_is_applied_at_once() -> None:
+    """JetStream mode: each message as its ack hands it over, the snapshot
+    naming the stream sequence a reader goes on from."""
+    writes = _writes(6)
+    keeper = _keeper(Relay(busy=False))
+    for seq, messages in enumerate(writes, start=1):
+        keeper.stored(messages[0], Stream.ack(seq, False))
+        assert keeper.pending == 0, "applied when its ack came"
+        snap = keeper.snapshot(0)
+        assert snap is not None and snap.stream_seq == seq
+    assert _held(keeper) == _held(_applied_later(writes))
+
+
+def test_a_stored_message_waits_while_the_relay_is_busy_or_the_keeper_has_a_log() -> None:
+    relay = Relay(busy=True)
+    keeper = _keeper(relay)
+    writes = _writes(3)
+    keeper.stored(writes[0][0], Stream.ack(1, False))
+    assert keeper.pending == 1
+    relay.busy = False
+    keeper.stored(writes[1][0], Stream.ack(2, False))
+    assert keeper.pending == 2, "behind the log: in stream order, after it"
+    keeper.catch_up()
+    keeper.stored(writes[2][0], Stream.ack(3, False))
+    assert keeper.pending == 0
+    snap = keeper.snapshot(0)
+    assert snap is not None and snap.stream_seq == 3
+    assert _held(keeper) == _held(_applied_later(writes))
+
+
+@pytest.mark.anyio
+async def test_the_jetstream_bridge_applies_each_message_as_the_stream_stores_it(
+        nats_server: NatsServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real bridge and stream: batches that come one at a time are applied
+    as their acks come back, none left for the keeper to wake for."""
+    seen: list[int] = []  # pending right after each hand-over
+    hand_over = ResidencyKeeper.stored
+
+    def spy(self: ResidencyKeeper, msg: Outgoing, ack: bytes) -> None:
+        hand_over(self, msg, ack)
+        seen.append(self.pending)
+
+    monkeypatch.setattr(ResidencyKeeper, "stored", spy)
+    port, rport, pubs = rank_publishers(1)
+    settings = make_settings(zmq_endpoint=[f"tcp://127.0.0.1:{port}"], replay_endpoint=[f"tcp://127.0.0.1:{rport}"],
+                             nats_url=[nats_server.url], worker_id=WORKER + "-js", jetstream=True)
+    try:
+        async with running_bridge(settings) as bridge:
+            await wait_until(lambda: len(seen) >= 1, 10, "the start record stored")
+            for i in range(8):
+                pubs[0].publish(_one_store(i))
+                await wait_until(lambda n=i: len(seen) >= n + 2, 10, "the batch stored")
+                await anyio.sleep(0.02)
+            assert bridge.keeper is not None and bridge.keeper.applied[0] == 9  # the start record and 8 stores
+    finally:
+        pubs[0].close()
+    assert seen[1:9] == [0] * 8

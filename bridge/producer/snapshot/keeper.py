@@ -235,11 +235,17 @@ class ResidencyKeeper:
 
     def stored(self, msg: Outgoing, ack: bytes) -> None:
         """A message the stream stored (JetStream mode), with its ack, in
-        stream order (bridge.producer.sink.acks.AckWindow hands them over so)."""
+        stream order (bridge.producer.sink.acks.AckWindow hands them over so).
+        Applied now, as `published` applies a write of one batch, when the
+        keeper has nothing waiting and the relay nothing in hand: acks come
+        back while the relay waits for its next batch."""
+        idle_before = not self._log and self._partial is None
         logged = self._entry(msg, ack)
         self._log.append(logged)
         self.log_bytes += logged[4]
         self._logged(1)
+        if idle_before and not self.relay_busy():
+            self.catch_up(seconds=IDLE_SLICE_S, busy=self.relay_busy)
         self._relay_wrote()
 
     def _relay_wrote(self) -> None:
