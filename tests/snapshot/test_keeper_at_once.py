@@ -13,6 +13,7 @@ moments and lets the log go when it cannot keep up."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -231,6 +232,9 @@ async def test_the_jetstream_bridge_applies_each_message_as_the_stream_stores_it
         hand_over(self, msg, ack)
         seen.append(self.pending)
 
+    def handed_over(n: int) -> Callable[[], bool]:
+        return lambda: len(seen) >= n
+
     monkeypatch.setattr(ResidencyKeeper, "stored", spy)
     port, rport, pubs = rank_publishers(1)
     settings = make_settings(zmq_endpoint=[f"tcp://127.0.0.1:{port}"], replay_endpoint=[f"tcp://127.0.0.1:{rport}"],
@@ -240,7 +244,7 @@ async def test_the_jetstream_bridge_applies_each_message_as_the_stream_stores_it
             await wait_until(lambda: len(seen) >= 1, 10, "the start record stored")
             for i in range(8):
                 pubs[0].publish(_one_store(i))
-                await wait_until(lambda n=i: len(seen) >= n + 2, 10, "the batch stored")
+                await wait_until(handed_over(i + 2), 10, "the batch stored")
                 await anyio.sleep(0.02)
             assert bridge.keeper is not None and bridge.keeper.applied[0] == 9  # the start record and 8 stores
     finally:
