@@ -241,7 +241,7 @@ async def test_the_jetstream_bridge_applies_each_message_as_the_stream_stores_it
                              nats_url=[nats_server.url], worker_id=WORKER + "-js", jetstream=True)
     try:
         async with running_bridge(settings) as bridge:
-            await wait_until(lambda: len(seen) >= 1, 10, "the start record stored")
+            await wait_until(handed_over(1), 10, "the start record stored")
             for i in range(8):
                 pubs[0].publish(_one_store(i))
                 await wait_until(handed_over(i + 2), 10, "the batch stored")

@@ -220,7 +220,7 @@ class ResidencyKeeper:
         means the relay fell behind: that one is left to `keep_up`, which
         applies only in the relay's idle moments, and lets the log go when
         it cannot keep up."""
-        idle_before = not self._log and self._partial is None
+        idle_before = self._idle()
         append, entry = self._log.append, self._entry
         added = 0
         for msg in messages:
@@ -229,8 +229,8 @@ class ResidencyKeeper:
             added += logged[4]
         self.log_bytes += added
         self._logged(len(messages))
-        if write_batches == 1 and idle_before and not self.relay_busy():
-            self.catch_up(seconds=IDLE_SLICE_S, busy=self.relay_busy)
+        if write_batches == 1 and idle_before:
+            self._apply_unless_busy()
         self._relay_wrote()
 
     def stored(self, msg: Outgoing, ack: bytes) -> None:
@@ -239,14 +239,24 @@ class ResidencyKeeper:
         Applied now, as `published` applies a write of one batch, when the
         keeper has nothing waiting and the relay nothing in hand: acks come
         back while the relay waits for its next batch."""
-        idle_before = not self._log and self._partial is None
+        idle_before = self._idle()
         logged = self._entry(msg, ack)
         self._log.append(logged)
         self.log_bytes += logged[4]
         self._logged(1)
-        if idle_before and not self.relay_busy():
-            self.catch_up(seconds=IDLE_SLICE_S, busy=self.relay_busy)
+        if idle_before:
+            self._apply_unless_busy()
         self._relay_wrote()
+
+    def _idle(self) -> bool:
+        """Nothing waits to be applied: no log, no message applied in part."""
+        return not self._log and self._partial is None
+
+    def _apply_unless_busy(self) -> None:
+        """What was just handed over to an idle keeper, applied now in one
+        idle slice at most, unless the relay has work in hand."""
+        if not self.relay_busy():
+            self.catch_up(seconds=IDLE_SLICE_S, busy=self.relay_busy)
 
     def _relay_wrote(self) -> None:
         wrote = self._wrote
